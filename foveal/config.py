@@ -1,0 +1,104 @@
+"""Frozen configuration, one dataclass per subsystem.
+
+HF `config.json` is read once, here at the edge (`ModelConfig.from_hf`);
+layers and models take these dataclasses or plain ints, never an HF config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]  # sums to head_dim // 2
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    variant: str  # "qwen2_vl" | "qwen2_5_vl"
+    depth: int
+    hidden_size: int  # width of the vision blocks (HF: embed_dim for Qwen2-VL)
+    num_heads: int
+    intermediate_size: int  # MLP width (Qwen2-VL: embed_dim * mlp_ratio)
+    out_hidden_size: int  # merger output = text hidden size
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    hidden_act: str
+    window_size: int = 0  # Qwen2.5-VL window attention, in pixels
+    fullatt_block_indexes: tuple[int, ...] = ()
+    tokens_per_second: int = 0  # Qwen2.5-VL video time alignment
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # HF architecture string, e.g. "Qwen2VLForConditionalGeneration"
+    model_type: str
+    text: TextConfig
+    vision: VisionConfig
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...] = ()
+    path: str | None = None  # checkpoint folder; None for dummy weights
+
+    @classmethod
+    def from_hf(cls, path: str) -> "ModelConfig":
+        from foveal.loader.hf_config import model_config_from_hf
+
+        return model_config_from_hf(path)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the KV pool; None: gpu_memory_utilization of free device memory
+    # (CUDA) or cpu_kv_cache_fraction of available RAM (CPU).
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_fraction: float = 0.1
+    enable_prefix_caching: bool = True
+    # Encoder cache capacity, in embedding rows (visual tokens).
+    encoder_cache_size: int = 16384
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    # Visual tokens the vision encoder may produce in one step.
+    encoder_compute_budget: int = 16384
+
+
+@dataclass(frozen=True)
+class MultimodalConfig:
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
+    max_image_pixels: int = 50_000_000
+    mm_processor_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    multimodal: MultimodalConfig
+    dtype: str = "float32"  # resolved torch dtype name
+    device: str = "cpu"  # resolved device
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy"
+    seed: int = 0

@@ -1,0 +1,92 @@
+"""The plan a scheduler step hands to the workers, and what they hand back.
+
+Contract 1 of the design: plain data with ints and lists only, no tensors.
+The same plan drives one in-process worker, N tensor-parallel ranks or a
+remote worker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from foveal.multimodal.inputs import MMFeature
+from foveal.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen yet (or see again after preemption).
+
+    token_ids holds every known token: prompt plus outputs generated so far.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    mm_features: list[MMFeature]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers already hold: only what changed this step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """One engine step.
+
+    num_scheduled_tokens: request id -> tokens to compute this step, starting
+        at that request's num_computed_tokens. A request whose computed count
+        reaches its known token count this step gets a token sampled.
+    scheduled_encoder_inputs: request id -> indices into its mm_features to run
+        through the vision encoder this step (before the LLM forward).
+    freed_mm_hashes: encoder-cache entries the workers may drop.
+    finished_request_ids: requests that ended since the last step (finished or
+        aborted); workers drop their state.
+    """
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    freed_mm_hashes: list[str] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class Logprobs:
+    """Top-k log-probabilities of one sampled position.
+
+    token_ids[0] / logprobs[0] are the sampled token; the rest the top-k.
+    ranks[0] is the sampled token's rank (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced: one sampled token per request that reached the
+    end of its known tokens (requests mid-prefill are absent)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    num_encoder_items_run: int = 0
+    # request id -> error message for requests whose inputs failed in the
+    # worker (e.g. an encoder input that could not be run); they fail alone.
+    failed_requests: dict[str, str] = field(default_factory=dict)

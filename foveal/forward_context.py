@@ -1,0 +1,67 @@
+"""Per-forward state, set by the model runner in a `with` block.
+
+Attention layers read the batch layout and their KV cache from here, so model
+files never thread cache or metadata arguments through their forward().
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one flattened batch of T new tokens from B requests.
+
+    Request i owns query rows query_start_loc[i]:query_start_loc[i+1]; its
+    context after this step is seq_lens[i] tokens (already computed + new), so
+    its queries sit at context positions seq_lens[i] - num_new .. seq_lens[i]-1.
+
+    slot_mapping:     (T,)   int64 flat slot (block_id * block_size + offset)
+                             where each new token's K/V is written
+    query_start_loc:  (B+1,) int32 cumulative query counts
+    seq_lens:         (B,)   int32 context length per request after this step
+    block_tables:     (B, max_blocks) int32, padded with 0
+    max_query_len / max_seq_len: python ints for kernels that want them
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, for CPU reference kernels that loop over requests.
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    # One entry per decoder layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_caches: list[torch.Tensor]
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(attn_metadata: AttentionMetadata | None,
+                    kv_caches: list[torch.Tensor]) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ForwardContext(attn_metadata, kv_caches)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention layer called outside forward_context()")
+    return _current
