@@ -1,0 +1,156 @@
+"""Load an image from any supported source into a decoded RGB `PIL.Image`.
+
+Sources: a `PIL.Image`, raw bytes, a filesystem path (`str` or `pathlib.Path`),
+a `file://` URL or a base64 `data:image/...` URL. http(s) URLs are fetched by the
+server, not here.
+
+Safety order: read the header, check the pixel count against the limit, and only
+then decode (a 40 KB PNG can inflate to gigabytes). Decoding is forced here, so
+corrupt or truncated bytes fail this request now rather than a worker later.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import pathlib
+import urllib.parse
+
+from PIL import Image
+
+from foveal.errors import MediaError, MediaLimitError
+
+ImageSource = Image.Image | bytes | bytearray | memoryview | pathlib.Path | str
+
+# Modes Pillow can turn into RGB, but not into the colours the picture shows:
+# LAB's "A" band is a colour axis, not alpha; La is premultiplied and Pillow
+# cannot convert it.
+_UNCONVERTIBLE_MODES = frozenset({"LAB", "La"})
+
+
+def load_image(source: ImageSource, max_image_pixels: int) -> Image.Image:
+    """Return `source` as a fully decoded RGB image, or raise MediaError/MediaLimitError."""
+    if isinstance(source, Image.Image):
+        check_pixel_limit(source.width, source.height, max_image_pixels)
+        _decode(source)
+        return to_rgb(source)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return _open_bytes(bytes(source), max_image_pixels)
+    if isinstance(source, pathlib.Path):
+        return _open_path(source, max_image_pixels)
+    if isinstance(source, str):
+        return _open_str(source, max_image_pixels)
+    raise MediaError(
+        f"cannot load an image from a {type(source).__name__}; pass a PIL.Image, "
+        "bytes, a file path, a file:// URL or a data:image/...;base64 URL"
+    )
+
+
+def check_pixel_limit(width: int, height: int, max_image_pixels: int) -> None:
+    if width <= 0 or height <= 0:
+        raise MediaError(f"image is {width}x{height}: it has no pixels")
+    num_pixels = width * height
+    if num_pixels > max_image_pixels:
+        raise MediaLimitError(
+            f"image is {width}x{height} = {num_pixels / 1e6:.1f} MP; "
+            f"the limit is {max_image_pixels / 1e6:.1f} MP (--max-image-pixels)"
+        )
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert to RGB as transformers' Qwen2-VL processor does.
+
+    Images with an alpha band or a transparency key are composited onto white;
+    every other mode goes through `Image.convert("RGB")`.
+    """
+    if image.mode in _UNCONVERTIBLE_MODES:
+        raise MediaError(
+            f"image mode {image.mode!r} cannot be converted to RGB; "
+            "send an RGB, RGBA, grayscale or palette image"
+        )
+    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+    if image.mode == "RGB" and not has_alpha:
+        return image
+    try:
+        if not has_alpha:
+            return image.convert("RGB")
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    except ValueError as exc:
+        raise MediaError(
+            f"image mode {image.mode!r} cannot be converted to RGB ({exc}); "
+            "send an RGB, RGBA, grayscale or palette image"
+        ) from exc
+
+
+def _open_str(source: str, max_image_pixels: int) -> Image.Image:
+    scheme = source.split(":", 1)[0].lower() if ":" in source else ""
+    if scheme in ("http", "https"):
+        raise MediaError(
+            "http(s) image URLs are fetched by the server; pass the bytes, a file "
+            "path or a data: URL to the engine"
+        )
+    if scheme == "data":
+        return _open_bytes(_decode_data_url(source), max_image_pixels)
+    if scheme == "file":
+        return _open_path(_file_url_path(source), max_image_pixels)
+    return _open_path(pathlib.Path(source), max_image_pixels)
+
+
+def _decode_data_url(url: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    mime, *params = header[len("data:"):].split(";")
+    if not sep or not mime.lower().startswith("image/"):
+        raise MediaError(
+            f"data URL header {header[:64]!r} is not an image; expected "
+            "'data:image/<format>;base64,<payload>'"
+        )
+    if "base64" not in (p.lower() for p in params):
+        raise MediaError("only base64 data URLs are supported: 'data:image/<format>;base64,<payload>'")
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"data URL payload is not valid base64 ({exc})") from exc
+
+
+def _file_url_path(url: str) -> pathlib.Path:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise MediaError(f"file URL {url!r} names host {parsed.netloc!r}; only local files are supported")
+    return pathlib.Path(urllib.parse.unquote(parsed.path))
+
+
+def _open_path(path: pathlib.Path, max_image_pixels: int) -> Image.Image:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise MediaError(f"image file not found: {str(path)!r}") from exc
+    except OSError as exc:
+        raise MediaError(f"cannot read image file {str(path)!r} ({exc.strerror or exc})") from exc
+    return _open_bytes(data, max_image_pixels)
+
+
+def _open_bytes(data: bytes, max_image_pixels: int) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise MediaLimitError(f"image refused by Pillow as a decompression bomb ({exc})") from exc
+    except Exception as exc:  # Pillow raises many types on garbage headers
+        raise MediaError(
+            f"could not identify an image in {len(data)} bytes ({type(exc).__name__}: {exc}); "
+            "send PNG, JPEG, WebP, GIF, BMP or TIFF"
+        ) from exc
+    check_pixel_limit(image.width, image.height, max_image_pixels)
+    _decode(image)
+    return to_rgb(image)
+
+
+def _decode(image: Image.Image) -> None:
+    try:
+        image.load()
+    except Exception as exc:  # corrupt streams surface as OSError, SyntaxError, struct.error, ...
+        raise MediaError(
+            f"could not decode the {image.format or image.mode} image "
+            f"({type(exc).__name__}: {exc}); the file is corrupt or truncated"
+        ) from exc
