@@ -1,0 +1,41 @@
+"""The engine core loop: schedule, execute, update."""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+from foveal.engine.plan import ModelRunnerOutput, StepPlan
+from foveal.engine.request import EngineCoreOutput, Request, RequestStatus
+from foveal.engine.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+        """Run one step. A plan may schedule no tokens and only carry
+        finished_request_ids / freed_mm_hashes for the workers to drop."""
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor):
+        self.scheduler = scheduler
+        self.executor = executor
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.abort_requests(request_ids, status)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One step. An executor error for the whole batch is an engine bug: it propagates."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.finished_request_ids and not plan.freed_mm_hashes:
+            return []
+        runner_output = self.executor.execute(plan)
+        return self.scheduler.update_from_output(plan, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> dict:
+        return self.scheduler.get_stats()

@@ -1,0 +1,281 @@
+"""Continuous batching with one rule.
+
+Each step, running requests (in admission order) and then waiting ones (FCFS)
+get min(num_tokens - num_computed_tokens, tokens left in the step budget).
+Prefill chunks, decodes, prefix hits and recompute after preemption all fall
+out of that rule; there are no prefill and decode phases. Media items are
+encoded in the step whose window first overlaps their placeholder range, if
+the encoder compute budget and cache allow; otherwise the window ends before
+the item and the request waits.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from foveal.config import CacheConfig, SchedulerConfig
+from foveal.engine.encoder_budget import EncoderBudget
+from foveal.engine.kv_manager import KVCacheManager
+from foveal.engine.plan import CachedRequestData, ModelRunnerOutput, NewRequestData, StepPlan
+from foveal.engine.request import EngineCoreOutput, Request, RequestStatus
+from foveal.engine.stats import SchedulerStats
+from foveal.errors import ContextLengthError, InvalidRequestError
+
+
+@dataclass
+class _StepBudget:
+    tokens_left: int
+    encoder_tokens_left: int
+    preempted: bool = False
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """Finish status after the last appended token, or None to keep going."""
+    params = request.sampling_params
+    token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in params.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int):
+        self.config = scheduler_config
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.encoder = EncoderBudget(cache_config.encoder_cache_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._finished_ids: set[str] = set()
+        self._num_blocks_sent: dict[str, int] = {}  # blocks the workers know of
+
+    def add_request(self, request: Request) -> None:
+        """Admission control: a request that can never run is an error now."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use; "
+                                      "send a unique request id")
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise if the request can never run here (used before admitting a batch)."""
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens > max_len:
+            raise ContextLengthError(
+                f"prompt has {request.num_prompt_tokens} tokens (placeholders expanded) but "
+                f"max_model_len is {max_len}; shorten the prompt, use fewer or smaller "
+                f"images, or raise --max-model-len")
+        max_tokens = request.sampling_params.max_tokens
+        num_kv_tokens = max_len if max_tokens is None else min(
+            max_len, request.num_prompt_tokens + max_tokens)
+        num_blocks = self.kv.blocks_needed(num_kv_tokens)
+        if num_blocks > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"request needs up to {num_blocks} KV blocks ({num_kv_tokens} tokens) but the "
+                f"pool has {self.kv.num_blocks}; raise --kv-cache-memory-bytes or lower "
+                f"max_tokens / --max-model-len")
+        for feature in request.mm_features:
+            self.encoder.check_fits(feature, self.config.encoder_compute_budget)
+
+    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+                       ) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def fail_request(self, request_id: str, message: str) -> EngineCoreOutput | None:
+        """Finish one request with FINISHED_ERROR; the others keep running."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.error_message = message
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(request_id, [], "error", None,
+                                num_cached_tokens=max(request.num_cached_tokens, 0), error=message)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> dict:
+        return self.stats.as_dict(len(self.running), len(self.waiting), self.kv.usage)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = _StepBudget(self.config.max_num_batched_tokens,
+                             self.config.encoder_compute_budget)
+        self._schedule_running(plan, budget)
+        if not budget.preempted:
+            self._schedule_waiting(plan, budget)
+        plan.freed_mm_hashes = self.encoder.take_freed()
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
+        index = 0
+        while index < len(self.running) and budget.tokens_left > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens_left)
+            if not self._allocate_or_preempt(request, num_new, plan, budget):
+                break  # the request preempted itself: it was the last one
+            index += 1
+            num_new, encoder_inputs = self._schedule_encoder(request, num_new, budget)
+            if num_new == 0:
+                continue
+            sent = self._num_blocks_sent[request.request_id]
+            new_block_ids = self.kv.block_ids(request.request_id)[sent:]
+            self._num_blocks_sent[request.request_id] += len(new_block_ids)
+            plan.cached_requests.append(CachedRequestData(
+                request.request_id, new_block_ids, request.num_computed_tokens))
+            self._record(plan, budget, request, num_new, encoder_inputs)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
+                             budget: _StepBudget) -> bool:
+        """Make room by preempting the last admitted requests; False if `request` went."""
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            budget.preempted = True
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Preempt by recompute: drop its KV and encoder refs, requeue it first."""
+        self.kv.free(request)
+        self.encoder.release_all(request.request_id)
+        self._num_blocks_sent.pop(request.request_id, None)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
+        # Workers drop its state now; it comes back as a new request.
+        plan.finished_request_ids.add(request.request_id)
+
+    def _schedule_waiting(self, plan: StepPlan, budget: _StepBudget) -> None:
+        while (self.waiting and budget.tokens_left > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget.tokens_left)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            request.num_computed_tokens = num_hit
+            num_new, encoder_inputs = self._schedule_encoder(request, num_new, budget)
+            if num_new == 0:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                break  # FCFS: nobody overtakes a request waiting for the encoder
+            self.waiting.popleft()
+            self._admit(request, num_hit)
+            block_ids = self.kv.block_ids(request.request_id)
+            self._num_blocks_sent[request.request_id] = len(block_ids)
+            plan.new_requests.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.mm_features,
+                request.sampling_params, block_ids, request.num_computed_tokens))
+            self._record(plan, budget, request, num_new, encoder_inputs)
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+            self.stats.prompt_tokens += request.num_prompt_tokens
+            self.stats.visual_tokens += request.num_visual_tokens
+
+    def _schedule_encoder(self, request: Request, num_new: int, budget: _StepBudget
+                          ) -> tuple[int, list[int]]:
+        """Reference the media items the window overlaps; encode the missing ones.
+
+        Returns the (possibly cut) token count and the feature indices to encode.
+        """
+        start = request.num_computed_tokens
+        to_encode: list[int] = []
+        for index, feature in enumerate(request.mm_features):
+            placeholder = feature.placeholder
+            if placeholder.offset >= start + num_new:
+                break
+            if placeholder.end <= start or self.encoder.holds(request.request_id,
+                                                              feature.mm_hash):
+                continue
+            if not self.encoder.has(feature.mm_hash):
+                if not self.encoder.can_allocate(feature, budget.encoder_tokens_left):
+                    return max(0, placeholder.offset - start), to_encode
+                budget.encoder_tokens_left -= feature.num_encoder_tokens
+                to_encode.append(index)
+            self.encoder.allocate(request.request_id, feature)
+        return num_new, to_encode
+
+    def _record(self, plan: StepPlan, budget: _StepBudget, request: Request, num_new: int,
+                encoder_inputs: list[int]) -> None:
+        plan.num_scheduled_tokens[request.request_id] = num_new
+        budget.tokens_left -= num_new
+        if encoder_inputs:
+            plan.scheduled_encoder_inputs[request.request_id] = encoder_inputs
+
+    def update_from_output(self, plan: StepPlan, runner_output: ModelRunnerOutput
+                           ) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, finish stopped requests."""
+        outputs = [self.fail_request(rid, message)
+                   for rid, message in runner_output.failed_requests.items()
+                   if rid in self.requests]
+        self.stats.encoder_items += runner_output.num_encoder_items_run
+        for request_id, num_new in plan.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or failed since the plan was made
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+            self._release_consumed_items(request)
+            token_id = runner_output.sampled_token_ids.get(request_id)
+            if token_id is not None:
+                outputs.append(self._append_token(request, token_id, runner_output))
+        return outputs
+
+    def _release_consumed_items(self, request: Request) -> None:
+        # The same media may appear twice in a prompt: keep it while still needed.
+        computed = request.num_computed_tokens
+        still_needed = {f.mm_hash for f in request.mm_features if f.placeholder.end > computed}
+        for feature in request.mm_features:
+            if feature.placeholder.end <= computed and feature.mm_hash not in still_needed:
+                self.encoder.release(request.request_id, feature.mm_hash)
+
+    def _append_token(self, request: Request, token_id: int,
+                      runner_output: ModelRunnerOutput) -> EngineCoreOutput:
+        request.append_output_token(token_id)
+        self.stats.generation_tokens += 1
+        status = check_stop(request, self.config.max_model_len)
+        if status is not None:
+            self._finish(request, status)
+        logprobs = runner_output.logprobs.get(request.request_id)
+        return EngineCoreOutput(
+            request.request_id, [token_id], request.status.finish_reason, request.stop_reason,
+            [logprobs] if logprobs is not None else [], request.num_cached_tokens)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request and return everything it held."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.encoder.release_all(request.request_id)
+        self._num_blocks_sent.pop(request.request_id, None)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+        self.stats.finished[status.finish_reason] += 1

@@ -1,0 +1,36 @@
+"""Engine-core counters, exported under Prometheus-style names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from foveal.engine.request import FINISH_REASONS
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    visual_tokens: int = 0
+    encoder_items: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up at admission
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+    finished: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(FINISH_REASONS.values(), 0))
+
+    def as_dict(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> dict:
+        stats: dict[str, float] = {
+            "foveal:prompt_tokens_total": self.prompt_tokens,
+            "foveal:generation_tokens_total": self.generation_tokens,
+            "foveal:visual_tokens_total": self.visual_tokens,
+            "foveal:encoder_items_total": self.encoder_items,
+            "foveal:prefix_cache_queries_total": self.prefix_cache_queries,
+            "foveal:prefix_cache_hits_total": self.prefix_cache_hits,
+            "foveal:num_preemptions_total": self.num_preemptions,
+            "foveal:kv_cache_usage_perc": kv_cache_usage,
+            "foveal:num_requests_running": num_running,
+            "foveal:num_requests_waiting": num_waiting,
+        }
+        for reason, count in self.finished.items():
+            stats[f'foveal:request_success_total{{finished_reason="{reason}"}}'] = count
+        return stats
