@@ -1,0 +1,38 @@
+"""Attention backends, as a registry with lazy imports.
+
+A backend is a class `Backend(num_heads, num_kv_heads, head_dim, scale)` with
+`forward(q, k, v, kv_cache, attn_metadata) -> (T, H*D)` that writes the new
+K/V into the paged cache and attends over each request's context. The CPU
+reference is torch SDPA; CUDA backends (flash-attn, flashinfer) register here
+and become the default for their device type.
+"""
+from __future__ import annotations
+
+import importlib
+
+from foveal.errors import ConfigError
+from foveal.layers.attention.layer import Attention
+
+# name -> "module:Class", imported on first use
+_BACKENDS: dict[str, str] = {"sdpa": "foveal.layers.attention.sdpa:SdpaBackend"}
+# device type -> backend name used when none is requested
+_DEVICE_DEFAULTS: dict[str, str] = {"cpu": "sdpa", "cuda": "sdpa"}
+
+
+def register_attention_backend(name: str, target: str, default_for: tuple[str, ...] = ()) -> None:
+    """Register `target` ("package.module:Class") as backend `name`, and make it
+    the default for the device types in `default_for`."""
+    _BACKENDS[name] = target
+    for device_type in default_for:
+        _DEVICE_DEFAULTS[device_type] = name
+
+
+def get_attention_backend(device_type: str, name: str | None = None) -> type:
+    name = name or _DEVICE_DEFAULTS.get(device_type, "sdpa")
+    if name not in _BACKENDS:
+        raise ConfigError(f"attention backend {name!r} is unknown; registered: {sorted(_BACKENDS)}")
+    module_name, class_name = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+__all__ = ["Attention", "get_attention_backend", "register_attention_backend"]

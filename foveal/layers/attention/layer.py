@@ -1,0 +1,40 @@
+"""The decoder attention layer: paged KV cache, backend chosen by device."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from foveal.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Causal attention of new tokens over their requests' cached context.
+
+    Reads the batch layout (AttentionMetadata) and this layer's KV cache
+    (kv_caches[layer_idx], (2, num_blocks, block_size, Hkv, D)) from the
+    forward context. Without metadata the batch is one fresh sequence and
+    nothing is cached (used for profiling and simple tests).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale, self.layer_idx = head_dim, scale, layer_idx
+        self._backends: dict[str, object] = {}
+
+    def _backend(self, device_type: str):
+        if device_type not in self._backends:
+            from foveal.layers.attention import get_attention_backend
+
+            backend_cls = get_attention_backend(device_type)
+            self._backends[device_type] = backend_cls(
+                self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return self._backends[device_type]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D)."""
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        kv_cache = context.kv_caches[self.layer_idx] if metadata is not None else None
+        return self._backend(q.device.type).forward(q, k, v, kv_cache, metadata)

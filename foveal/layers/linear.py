@@ -1,0 +1,155 @@
+"""Linear layers that own their tensor-parallel sharding.
+
+Each parameter carries `weight_loader(param, loaded_weight, shard_id=None)`
+that copies this rank's slice of a full (HF-shaped) checkpoint tensor. Models
+never mention ranks; tp_size=1 is the same code path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foveal.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
+from foveal.errors import CheckpointError, ConfigError
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ConfigError(f"{what}={numerator} is not divisible by tensor_parallel_size="
+                          f"{denominator}; pick a tensor_parallel_size that divides it")
+    return numerator // denominator
+
+
+def check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise CheckpointError(f"weight {name or '?'} has shape {tuple(loaded.shape)}, the model "
+                              f"expects {tuple(param.shape)}; the checkpoint does not match config.json")
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id=None) -> None:
+    loaded_weight = loaded_weight.reshape(param.shape) if hasattr(param, "hf_shape") else loaded_weight
+    check_shape(param, loaded_weight)
+    param.data.copy_(loaded_weight)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b, with W of local shape (output_size, input_size).
+
+    tp_dim: 0 shards the output dim, 1 the input dim, None replicates.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.input_size, self.output_size, self.tp_dim = input_size, output_size, tp_dim
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        # A row-parallel bias (1-D, tp_dim 1) is replicated, not sharded.
+        if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
+            size = param.shape[self.tp_dim]
+            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * size, size)
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split over ranks; output stays sharded (feeds a RowParallelLinear)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        local = _divide(output_size, get_tp_size(), "output_size")
+        super().__init__(input_size, local, bias, tp_dim=0)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split over ranks; partial outputs are summed (all-reduce)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        local = _divide(input_size, get_tp_size(), "input_size")
+        super().__init__(local, output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = tensor_parallel_all_reduce(y)
+        # Bias added once, after the sum, so ranks do not add it tp_size times.
+        return y + self.bias if self.bias is not None else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate/up: shard ids 0, 1)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def local_shard(self, shard_id: int) -> tuple[int, int]:
+        """(offset, size) of part `shard_id` along this rank's output rows."""
+        return (sum(self.output_sizes[:shard_id]) // self.tp_size,
+                self.output_sizes[shard_id] // self.tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise CheckpointError("a merged linear needs a shard id (0, 1, ...) for each part")
+        offset, size = self.local_shard(shard_id)
+        loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        check_shape(target, loaded_weight)
+        target.copy_(loaded_weight)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; heads split over ranks (KV heads replicated when
+    there are fewer KV heads than ranks). Shard ids "q", "k", "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            # Fewer KV heads than ranks: each KV head lives on kv_replicas ranks.
+            self.kv_replicas = _divide(tp_size, num_kv_heads, "tensor_parallel_size")
+            self.num_kv_heads = 1
+        output_size = (num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
+        super().__init__(hidden_size, output_size, bias)
+
+    def shard_range(self, shard_id: str) -> tuple[int, int, int]:
+        """(offset in the local param, local size, offset in the full checkpoint tensor)."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        kv_rank = self.tp_rank // self.kv_replicas
+        ranges = {"q": (0, q_size, self.tp_rank * q_size),
+                  "k": (q_size, kv_size, kv_rank * kv_size),
+                  "v": (q_size + kv_size, kv_size, kv_rank * kv_size)}
+        return ranges[shard_id]
+
+    def local_shard(self, shard_id: str) -> tuple[int, int]:
+        """(offset, size) of q, k or v along this rank's output rows."""
+        offset, size, _ = self.shard_range(shard_id)
+        return offset, size
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id not in ("q", "k", "v"):
+            raise CheckpointError(f"QKV linear got shard id {shard_id!r}; expected 'q', 'k' or 'v'")
+        offset, size, source_offset = self.shard_range(shard_id)
+        loaded_weight = loaded_weight.narrow(0, source_offset, size)
+        target = param.data.narrow(0, offset, size)
+        check_shape(target, loaded_weight)
+        target.copy_(loaded_weight)

@@ -1,0 +1,110 @@
+"""HF config.json -> foveal.config.ModelConfig, once, at the edge.
+
+Reads both layouts: transformers-5 nested `text_config` / `vision_config` with
+`rope_parameters`, and the older flat one (text fields at top level,
+`rope_scaling: {type: mrope, mrope_section}`, `rope_theta`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from foveal.config import ModelConfig, TextConfig, VisionConfig
+from foveal.errors import ConfigError
+from foveal.models.registry import supported_architectures
+
+_VISION_VARIANTS = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
+                    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _architecture(hf: dict) -> str:
+    architectures = hf.get("architectures") or []
+    for architecture in architectures:
+        if architecture in supported_architectures():
+            return architecture
+    raise ConfigError(f"architectures {architectures} in config.json are not supported; supported: "
+                      f"{', '.join(supported_architectures())}")
+
+
+def _text_config(hf: dict) -> TextConfig:
+    text = {**hf, **(hf.get("text_config") or {})}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    num_heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // num_heads
+    section = tuple(rope.get("mrope_section") or ())
+    if section and sum(section) != head_dim // 2:
+        raise ConfigError(f"mrope_section {list(section)} sums to {sum(section)}; it must sum to "
+                          f"head_dim // 2 = {head_dim // 2}")
+    return TextConfig(
+        vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"], num_hidden_layers=text["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=text.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))),
+        mrope_section=section,
+        max_position_embeddings=text.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
+        hidden_act=text.get("hidden_act", "silu"))
+
+
+def _vision_config(vision: dict, variant: str, text_hidden: int) -> VisionConfig:
+    if variant == "qwen2_vl":
+        width = vision["embed_dim"]
+        mlp_width, out_hidden = int(width * vision.get("mlp_ratio", 4)), vision.get("hidden_size", text_hidden)
+    else:
+        width, mlp_width = vision["hidden_size"], vision["intermediate_size"]
+        out_hidden = vision.get("out_hidden_size", text_hidden)
+    return VisionConfig(
+        variant=variant, depth=vision["depth"], hidden_size=width,
+        num_heads=vision["num_heads"], intermediate_size=mlp_width, out_hidden_size=out_hidden,
+        patch_size=vision.get("patch_size", 14),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2),
+        in_channels=vision.get("in_channels", 3),
+        hidden_act=vision.get("hidden_act", "quick_gelu" if variant == "qwen2_vl" else "silu"),
+        window_size=vision.get("window_size", 0) if variant == "qwen2_5_vl" else 0,
+        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes") or ()),
+        tokens_per_second=vision.get("tokens_per_second", 0) if variant == "qwen2_5_vl" else 0)
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def model_config_from_dict(hf: dict, path: str | None = None,
+                           generation_config: dict | None = None) -> ModelConfig:
+    """Build a ModelConfig from an HF config dict (either layout)."""
+    architecture = _architecture(hf)
+    text = _text_config(hf)
+    text_dict = hf.get("text_config") or {}
+    eos = _as_ids((generation_config or {}).get("eos_token_id"))
+    for value in (hf.get("eos_token_id"), text_dict.get("eos_token_id")):
+        eos += tuple(i for i in _as_ids(value) if i not in eos)
+    try:
+        return ModelConfig(
+            architecture=architecture, model_type=hf.get("model_type", ""), text=text,
+            vision=_vision_config(hf["vision_config"], _VISION_VARIANTS[architecture], text.hidden_size),
+            image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
+            vision_start_token_id=hf["vision_start_token_id"],
+            vision_end_token_id=hf["vision_end_token_id"],
+            eos_token_ids=eos, path=path)
+    except KeyError as missing:
+        raise ConfigError(f"config.json lacks {missing}; re-export the checkpoint's config") from None
+
+
+def model_config_from_hf(path: str) -> ModelConfig:
+    """Read `path`/config.json (and generation_config.json when present)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{config_path} not found; pass a checkpoint folder holding config.json")
+    generation_path = os.path.join(path, "generation_config.json")
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
+    return model_config_from_dict(_read_json(config_path), path=path, generation_config=generation)

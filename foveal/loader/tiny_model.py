@@ -1,0 +1,88 @@
+"""Offline checkpoint builder: an HF-format folder from Foveal's own model
+classes with random weights, a tokenizer trained in-process with the
+architecture's special tokens and real chat template, and processor and
+generation configs. Behind `foveal demo`, the tests and the benchmarks."""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+ARCH_PRESETS = {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl"}
+# Tiny checkpoints cap image resolution so tests and the demo stay fast.
+_TINY_MAX_PIXELS = 448 * 448
+
+
+def _preprocessor_config(preset: str) -> dict:
+    from foveal.multimodal.processors.qwen2_vl import Qwen2VLImageProcessor
+
+    overrides = {"max_pixels": _TINY_MAX_PIXELS} if preset.startswith("tiny") else {}
+    return Qwen2VLImageProcessor.from_config({}, overrides).to_config_dict()
+
+
+def _generation_config(special: dict[str, int]) -> dict:
+    eos = [special["<|im_end|>"], special["<|endoftext|>"]]
+    return {"eos_token_id": eos, "pad_token_id": special["<|endoftext|>"],
+            "bos_token_id": special["<|endoftext|>"], "do_sample": False}
+
+
+def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: int = 0) -> Path:
+    """Write a complete checkpoint folder for `preset` (atomically)."""
+    from foveal.loader.export import save_hf_checkpoint
+    from foveal.loader.presets import get_preset
+    from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
+    from foveal.loader.weights import build_dummy_model
+
+    out_dir = Path(out_dir)
+    hf_config = get_preset(preset)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        model = build_dummy_model(hf_config, seed=seed)
+        save_hf_checkpoint(model, hf_config, staging)
+        special = write_tiny_tokenizer(staging, vocab_size=min(512, _vocab_size(hf_config)))
+        _write_json(staging / "preprocessor_config.json", _preprocessor_config(preset))
+        _write_json(staging / "generation_config.json", _generation_config(special))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def ensure_tiny_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl") -> Path:
+    out_dir = Path(out_dir)
+    if not (out_dir / "config.json").exists():
+        build_checkpoint(out_dir, preset)
+    return out_dir
+
+
+def _vocab_size(hf_config: dict) -> int:
+    return hf_config.get("text_config", hf_config)["vocab_size"]
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _run(args: argparse.Namespace) -> int:
+    preset = args.preset or ARCH_PRESETS[args.arch]
+    path = build_checkpoint(args.out, preset, seed=args.seed)
+    print(f"wrote {preset} checkpoint to {path}")
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "tiny-model", help="write a random-weight checkpoint (HF format) offline",
+        description="Build an HF-format checkpoint folder with random weights, a tokenizer "
+                    "trained in-process and the real chat template. Nothing is downloaded.")
+    parser.add_argument("out", help="output folder")
+    parser.add_argument("--arch", choices=sorted(ARCH_PRESETS), default="qwen2_vl")
+    parser.add_argument("--preset", help="any preset instead of --arch's tiny one "
+                                         "(tiny-qwen2-vl, tiny-qwen2.5-vl, small, ...)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_run)

@@ -1,0 +1,166 @@
+"""Build a model and fill its weights: safetensors checkpoints or dummy.
+
+One loader serves every architecture: the model class declares how
+checkpoint names map onto its modules (`weight_prefixes`) and which
+checkpoint modules are fused into one (`packed_modules`); each parameter's
+`weight_loader` copies its tensor-parallel slice.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import zlib
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from foveal.config import EngineConfig
+from foveal.errors import CheckpointError, ConfigError
+from foveal.layers.linear import default_weight_loader
+from foveal.models.registry import get_model_class
+
+_MAX_NAMES_SHOWN = 8
+
+
+def checkpoint_files(path: str | None) -> list[str]:
+    """The safetensors files of a checkpoint folder (shards from the index if any)."""
+    if not path or not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint folder {path!r} not found; pass the folder holding "
+                              "config.json and *.safetensors, or load_format='dummy'")
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    single = os.path.join(path, "model.safetensors")
+    files = [single] if os.path.isfile(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {path}; convert the checkpoint to safetensors")
+    return files
+
+
+def iterate_checkpoint(path: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _map_name(model: nn.Module, hf_name: str) -> tuple[str | None, object]:
+    """Checkpoint name -> (parameter name, shard id), or (None, None) if unmapped."""
+    for source, target in model.weight_prefixes:
+        if hf_name.startswith(source):
+            parts = (target + hf_name[len(source):]).split(".")
+            break
+    else:
+        return None, None
+    shard_id = None
+    if len(parts) >= 2 and parts[-2] in model.packed_modules:
+        parts[-2], shard_id = model.packed_modules[parts[-2]]
+    return ".".join(parts), shard_id
+
+
+def _names(names: Iterable[str]) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else ""
+    return ", ".join(names[:_MAX_NAMES_SHOWN]) + more
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy HF-named tensors into `model`; returns the parameter names loaded.
+
+    Raises CheckpointError naming the checkpoint tensors that match no parameter."""
+    params = dict(model.named_parameters())
+    tied = getattr(model.config.text, "tie_word_embeddings", False)
+    loaded, unexpected = set(), []
+    for hf_name, tensor in weights:
+        name, shard_id = _map_name(model, hf_name)
+        if tied and name == "lm_head.weight":
+            continue  # some tied checkpoints store the head too; it is the embedding
+        param = params.get(name) if name else None
+        if param is None:
+            unexpected.append(hf_name)
+            continue
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        weight_loader(param, tensor.to(param.dtype), shard_id)
+        loaded.add(name)
+    if unexpected:
+        raise CheckpointError(f"checkpoint holds weights this {type(model).__name__} does not have: "
+                              f"{_names(unexpected)}; check that config.json matches the weights")
+    return loaded
+
+
+def _dummy_std(name: str, param: nn.Parameter) -> float | None:
+    """None: fill with ones (norm scales). Matmul weights get std 1/sqrt(fan_in)
+    (at most 0.2) and embeddings 0.2, so logits have clear argmax margins."""
+    if param.dim() == 1:
+        is_norm = "norm" in name or "ln_q" in name
+        return None if is_norm and name.endswith("weight") else 0.02
+    if "embed_tokens" in name or "lm_head" in name:
+        return 0.2
+    return min(0.2, param.shape[1] ** -0.5)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Deterministic random weights: each tensor seeded by (seed, its name)."""
+    for name, param in model.named_parameters():
+        std = _dummy_std(name, param)
+        if std is None:
+            param.data.fill_(1.0)
+            continue
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        values = torch.randn(param.shape, generator=generator) * std
+        param.data.copy_(values)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(engine_config: EngineConfig) -> nn.Module:
+    """The model class for the architecture, with uninitialized weights."""
+    model_cls = get_model_class(engine_config.model.architecture)
+    dtype = getattr(torch, engine_config.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype {engine_config.dtype!r} is not a torch dtype; use float32, "
+                          "bfloat16 or float16")
+    with _default_dtype(dtype), torch.device(engine_config.device):
+        return model_cls(engine_config.model)
+
+
+def load_model(engine_config: EngineConfig) -> nn.Module:
+    """Build the model on engine_config.device / dtype and load its weights."""
+    model = build_model(engine_config)
+    if engine_config.load_format == "dummy":
+        init_dummy_weights(model, engine_config.seed)
+    elif engine_config.load_format in ("auto", "safetensors"):
+        loaded = model.load_weights(iterate_checkpoint(engine_config.model.path))
+        missing = set(dict(model.named_parameters())) - loaded
+        if missing:
+            raise CheckpointError(f"checkpoint {engine_config.model.path} lacks weights: "
+                                  f"{_names(missing)}; check that config.json matches the weights")
+    else:
+        raise ConfigError(f"load_format {engine_config.load_format!r} is unknown; use 'auto' or 'dummy'")
+    return model.eval()
+
+
+def build_dummy_model(hf_config: dict, seed: int = 0, device: str = "cpu",
+                      dtype: str = "float32") -> nn.Module:
+    """A model of HF config dict `hf_config` with deterministic dummy weights."""
+    from foveal.config import CacheConfig, MultimodalConfig, SchedulerConfig
+    from foveal.loader.hf_config import model_config_from_dict
+
+    engine_config = EngineConfig(model_config_from_dict(hf_config), CacheConfig(), SchedulerConfig(),
+                                 MultimodalConfig(), dtype=dtype, device=device,
+                                 load_format="dummy", seed=seed)
+    return load_model(engine_config)

@@ -1,0 +1,234 @@
+"""The model runner: StepPlan in, sampled tokens out.
+
+Generic over architectures: it holds each request's token ids, block ids and
+M-RoPE positions, builds the flattened batch (T new tokens from B requests)
+with numpy, merges vision embeddings into the text embeddings, runs the LLM
+inside `forward_context` and samples the requests that reached their last
+known token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from foveal.config import EngineConfig
+from foveal.engine.plan import ModelRunnerOutput, NewRequestData, StepPlan
+from foveal.forward_context import AttentionMetadata, forward_context
+from foveal.multimodal.inputs import MMFeature
+from foveal.sampling_params import SamplingParams
+from foveal.worker.encoder_runner import EncoderCache
+from foveal.worker.sampler import Sampler, request_generator
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    mm_features: list[MMFeature]
+    sampling_params: SamplingParams
+    mrope_positions: np.ndarray  # (3, num_prompt_tokens) int64
+    mrope_delta: int  # position of token i >= num_prompt_tokens is i + delta
+    generator: torch.Generator | None
+    num_computed_tokens: int
+
+    @property
+    def num_prompt_positions(self) -> int:
+        return self.mrope_positions.shape[1]
+
+
+@dataclass
+class ScheduledRequest:
+    state: RequestState
+    num_new_tokens: int
+    # (row offset within this request's new tokens, encoder rows to put there)
+    mm_rows: list[tuple[int, torch.Tensor]]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (3, T) int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # (N,) int64: last row of each sampled request
+    sampled_requests: list[RequestState]
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, model: torch.nn.Module,
+                 kv_caches: list[torch.Tensor], block_size: int) -> None:
+        self.config = engine_config
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(engine_config.device)
+        self.requests: dict[str, RequestState] = {}
+        self.encoder_cache = EncoderCache()
+        self.sampler = Sampler(engine_config.seed, self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+        self._update_states(plan)
+        self.encoder_cache.drop(plan.freed_mm_hashes)
+        encoded = self.encoder_cache.encode(self.model, [
+            (request_id, self.requests[request_id].mm_features[index])
+            for request_id, indices in plan.scheduled_encoder_inputs.items()
+            for index in indices])
+        output = ModelRunnerOutput(num_encoder_items_run=encoded.num_items_run,
+                                   failed_requests=encoded.failed_requests)
+        scheduled = self._select_requests(plan, output.failed_requests)
+        if not scheduled:
+            return output
+        batch = self._prepare_batch(scheduled)
+        inputs_embeds = self._embed(batch, scheduled)  # (T, hidden)
+        with forward_context(batch.attn_metadata, self.kv_caches):
+            hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)
+        for item in scheduled:
+            item.state.num_computed_tokens += item.num_new_tokens
+        if batch.sampled_requests:
+            self._sample(hidden_states[batch.logits_indices], batch.sampled_requests, output)
+        return output
+
+    def _update_states(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new_request in plan.new_requests:
+            self._add_request(new_request)
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _add_request(self, new: NewRequestData) -> None:
+        # A resumed (preempted) request keeps its generator: it has drawn one
+        # sample per output token, exactly as if it had never been preempted.
+        previous = self.requests.get(new.request_id)
+        generator = (previous.generator if previous is not None
+                     else request_generator(new.sampling_params, self.device))
+        positions, delta = self.model.get_mrope_positions(
+            self.config.model, new.token_ids, new.mm_features)
+        self.requests[new.request_id] = RequestState(
+            request_id=new.request_id, token_ids=list(new.token_ids),
+            block_ids=list(new.block_ids), mm_features=new.mm_features,
+            sampling_params=new.sampling_params, mrope_positions=positions.cpu().numpy(),
+            mrope_delta=int(delta), generator=generator,
+            num_computed_tokens=new.num_computed_tokens)
+
+    def _select_requests(self, plan: StepPlan,
+                         failed: dict[str, str]) -> list[ScheduledRequest]:
+        scheduled = []
+        for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
+            if request_id in failed:
+                continue
+            state = self.requests[request_id]
+            mm_rows = self._mm_rows(state, num_new_tokens, failed)
+            if mm_rows is not None:
+                scheduled.append(ScheduledRequest(state, num_new_tokens, mm_rows))
+        return scheduled
+
+    def _mm_rows(self, state: RequestState, num_new_tokens: int,
+                 failed: dict[str, str]) -> list[tuple[int, torch.Tensor]] | None:
+        """Encoder rows for the part of each placeholder range that this
+        step's tokens [start, end) cover; None (and a failure) if one is missing."""
+        start = state.num_computed_tokens
+        end = start + num_new_tokens
+        mm_rows = []
+        for feature in state.mm_features:
+            lo = max(start, feature.placeholder.offset)
+            hi = min(end, feature.placeholder.end)
+            if lo >= hi:
+                continue
+            if feature.mm_hash not in self.encoder_cache:
+                failed[state.request_id] = (
+                    f"{feature.modality} item {feature.mm_hash} is needed for tokens "
+                    f"[{lo}, {hi}) but was never encoded (or already freed)")
+                return None
+            offset = feature.placeholder.offset
+            mm_rows.append((lo - start,
+                            self.encoder_cache.rows(feature.mm_hash, lo - offset, hi - offset)))
+        return mm_rows
+
+    def _prepare_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
+        states = [item.state for item in scheduled]
+        num_new = np.array([item.num_new_tokens for item in scheduled], dtype=np.int64)  # (B,)
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)  # (B,)
+        seq_lens = starts + num_new  # (B,)
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)  # (B+1,)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        # token_index[t]: index of batch row t within its own request's tokens
+        row_starts = np.repeat(starts - query_start_loc[:-1], num_new)  # (T,)
+        token_index = np.arange(query_start_loc[-1]) + row_starts  # (T,)
+        request_index = np.repeat(np.arange(len(states)), num_new)  # (T,)
+        block_tables = self._block_tables(states)  # (B, max_blocks)
+        slot_mapping = (block_tables[request_index, token_index // self.block_size]
+                        .astype(np.int64) * self.block_size
+                        + token_index % self.block_size)  # (T,)
+        input_ids = list(chain.from_iterable(
+            s.token_ids[a:b] for s, a, b in zip(states, starts.tolist(), seq_lens.tolist())))
+        sampled_mask = seq_lens >= np.array([len(s.token_ids) for s in states])  # (B,)
+        return Batch(
+            input_ids=self._to_device(np.array(input_ids, dtype=np.int64)),
+            positions=self._to_device(self._positions(states, starts, num_new, token_index)),
+            attn_metadata=self._attention_metadata(slot_mapping, query_start_loc, seq_lens,
+                                                   block_tables),
+            logits_indices=self._to_device(query_start_loc[1:][sampled_mask] - 1),
+            sampled_requests=[s for s, m in zip(states, sampled_mask.tolist()) if m])
+
+    def _attention_metadata(self, slot_mapping: np.ndarray, query_start_loc: np.ndarray,
+                            seq_lens: np.ndarray, block_tables: np.ndarray) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(block_tables),
+            max_query_len=int(np.diff(query_start_loc).max()), max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens.tolist())
+
+    def _block_tables(self, states: list[RequestState]) -> np.ndarray:
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = np.zeros((len(states), max_blocks), dtype=np.int32)  # (B, max_blocks)
+        for i, state in enumerate(states):
+            block_tables[i, :len(state.block_ids)] = state.block_ids
+        return block_tables
+
+    def _positions(self, states: list[RequestState], starts: np.ndarray,
+                   num_new: np.ndarray, token_index: np.ndarray) -> np.ndarray:
+        """(3, T) M-RoPE positions: prompt tokens from the precomputed table,
+        later tokens index + delta on all three axes."""
+        deltas = np.array([s.mrope_delta for s in states], dtype=np.int64)  # (B,)
+        positions = np.repeat((token_index + np.repeat(deltas, num_new))[None, :], 3,
+                              axis=0)  # (3, T)
+        row = 0
+        for state, start, count in zip(states, starts.tolist(), num_new.tolist()):
+            end = min(start + count, state.num_prompt_positions)
+            if start < end:
+                positions[:, row:row + end - start] = state.mrope_positions[:, start:end]
+            row += count
+        return positions
+
+    def _embed(self, batch: Batch, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        inputs_embeds = self.model.embed_input_ids(batch.input_ids)  # (T, hidden)
+        query_start_loc = batch.attn_metadata.query_start_loc_cpu
+        for i, item in enumerate(scheduled):
+            for offset, rows in item.mm_rows:
+                row = query_start_loc[i] + offset
+                inputs_embeds[row:row + rows.shape[0]] = rows.to(inputs_embeds.dtype)
+        return inputs_embeds
+
+    def _sample(self, hidden_states: torch.Tensor, states: list[RequestState],
+                output: ModelRunnerOutput) -> None:
+        logits = self.model.compute_logits(hidden_states)  # (N, vocab) float32
+        sampled = self.sampler(logits, [s.sampling_params for s in states],
+                               [s.generator for s in states])
+        for state, token_id, logprobs in zip(states, sampled.token_ids, sampled.logprobs):
+            state.token_ids.append(token_id)
+            output.sampled_token_ids[state.request_id] = token_id
+            if logprobs is not None:
+                output.logprobs[state.request_id] = logprobs
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)

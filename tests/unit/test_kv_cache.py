@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from foveal.config import CacheConfig, ModelConfig, TextConfig, VisionConfig
+from foveal.errors import ConfigError
+from foveal.worker.device import resolve_device, resolve_dtype, torch_dtype
+from foveal.worker.kv_cache import (allocate_kv_caches, available_kv_memory,
+                                    kv_cache_bytes_per_block, num_blocks_for)
+
+
+def _model_config(layers=3, kv_heads=2, head_dim=8) -> ModelConfig:
+    text = TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, mrope_section=(2, 1, 1),
+                      max_position_embeddings=512, tie_word_embeddings=True)
+    vision = VisionConfig(variant="qwen2_vl", depth=1, hidden_size=16, num_heads=2,
+                          intermediate_size=32, out_hidden_size=32, patch_size=14,
+                          temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+                          hidden_act="quick_gelu")
+    return ModelConfig(architecture="Qwen2VLForConditionalGeneration", model_type="qwen2_vl",
+                       text=text, vision=vision, image_token_id=60, video_token_id=61,
+                       vision_start_token_id=62, vision_end_token_id=63)
+
+
+def test_bytes_per_block_counts_keys_values_layers_heads_and_dtype():
+    config = _model_config(layers=3, kv_heads=2, head_dim=8)
+    # 2 (K and V) * 16 slots * 2 heads * 8 dims * 4 bytes * 3 layers
+    assert kv_cache_bytes_per_block(config, 16, torch.float32) == 2 * 16 * 2 * 8 * 4 * 3
+    assert kv_cache_bytes_per_block(config, 16, torch.bfloat16) == 2 * 16 * 2 * 8 * 2 * 3
+
+
+def test_num_blocks_is_memory_over_block_bytes():
+    config = _model_config()
+    block_bytes = kv_cache_bytes_per_block(config, 16, torch.float32)
+    assert num_blocks_for(block_bytes * 100 + 7, config, 16, torch.float32, 256) == 100
+
+
+def test_too_little_memory_for_one_max_len_request_names_the_flag():
+    config = _model_config()
+    block_bytes = kv_cache_bytes_per_block(config, 16, torch.float32)
+    # max_model_len 257 needs ceil(257 / 16) = 17 blocks
+    assert num_blocks_for(block_bytes * 17, config, 16, torch.float32, 257) == 17
+    with pytest.raises(ConfigError, match="--kv-cache-memory-bytes"):
+        num_blocks_for(block_bytes * 16, config, 16, torch.float32, 257)
+
+
+def test_allocate_gives_one_zeroed_tensor_per_layer():
+    config = _model_config(layers=3, kv_heads=2, head_dim=8)
+    caches = allocate_kv_caches(5, 4, config, torch.float32, "cpu")
+    assert len(caches) == 3
+    assert all(c.shape == (2, 5, 4, 2, 8) and c.dtype == torch.float32 for c in caches)
+    assert all(not c.any() for c in caches)
+    assert caches[0].data_ptr() != caches[1].data_ptr()
+
+
+def test_available_memory_uses_explicit_bytes_when_set():
+    assert available_kv_memory(CacheConfig(kv_cache_memory_bytes=12345), "cpu") == 12345
+
+
+def test_available_memory_on_cpu_is_a_fraction_of_available_ram():
+    tenth = available_kv_memory(CacheConfig(cpu_kv_cache_fraction=0.1), "cpu")
+    fifth = available_kv_memory(CacheConfig(cpu_kv_cache_fraction=0.2), "cpu")
+    assert 0 < tenth < fifth
+
+
+def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda():
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+    assert resolve_dtype("auto", "cuda", None) == "bfloat16"
+    assert resolve_dtype("auto", "cuda:0", torch.float32) == "bfloat16"
+    assert resolve_dtype("auto", "cuda", "float16") == "float16"
+    assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    assert torch_dtype("float16") is torch.float16
+
+
+def test_unknown_dtype_lists_the_accepted_names():
+    with pytest.raises(ConfigError, match="float32, bfloat16, float16"):
+        resolve_dtype("fp8", "cpu")
+
+
+def test_devices_resolve_and_unknown_names_fail():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="--device"):
+        resolve_device("tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_without_cuda_is_a_config_error():
+    with pytest.raises(ConfigError, match="--device cpu"):
+        resolve_device("cuda:0")

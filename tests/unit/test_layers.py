@@ -1,0 +1,161 @@
+"""Layers: tensor-parallel sharding, norms, activations, rotary, vision ordering."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import foveal.layers.embed_head as embed_head
+import foveal.layers.linear as linear
+from foveal.errors import CheckpointError, ConfigError
+from foveal.layers.activation import ActAndMul, get_activation
+from foveal.layers.norm import RMSNorm
+from foveal.layers.rotary import MRotaryEmbedding, VisionRotaryEmbedding, vision_position_ids
+from foveal.models.qwen_vision import segment_attention, window_order
+
+
+def as_rank(monkeypatch, module, rank: int, size: int) -> None:
+    monkeypatch.setattr(module, "get_tp_rank", lambda: rank)
+    monkeypatch.setattr(module, "get_tp_size", lambda: size)
+
+
+def sharded(monkeypatch, make, tp_size: int, module=linear):
+    layers = []
+    for rank in range(tp_size):
+        as_rank(monkeypatch, module, rank, tp_size)
+        layers.append(make())
+    return layers
+
+
+def test_column_then_row_parallel_shards_sum_to_the_full_mlp(monkeypatch):
+    w1, b1, w2, b2 = torch.randn(8, 6), torch.randn(8), torch.randn(6, 8), torch.randn(6)
+    x = torch.randn(3, 6)
+    expected = F.linear(F.linear(x, w1, b1).relu(), w2, b2)
+    total = 0
+    columns = sharded(monkeypatch, lambda: linear.ColumnParallelLinear(6, 8, bias=True), 2)
+    rows = sharded(monkeypatch, lambda: linear.RowParallelLinear(8, 6, bias=False), 2)
+    for column, row in zip(columns, rows):
+        column.weight.weight_loader(column.weight, w1)
+        column.bias.weight_loader(column.bias, b1)
+        row.weight.weight_loader(row.weight, w2)
+        total = total + row(column(x).relu())
+    torch.testing.assert_close(total + b2, expected)
+
+
+def test_qkv_linear_places_q_k_v_and_replicates_scarce_kv_heads(monkeypatch):
+    head_dim, hidden = 2, 4
+    q, k, v = torch.randn(4 * head_dim, hidden), torch.randn(1 * head_dim, hidden), torch.randn(head_dim, hidden)
+    layers = sharded(monkeypatch, lambda: linear.QKVParallelLinear(hidden, head_dim, 4, 1), 2)
+    for rank, layer in enumerate(layers):
+        for shard_id, weight in (("q", q), ("k", k), ("v", v)):
+            layer.weight.weight_loader(layer.weight, weight, shard_id)
+        expected = torch.cat([q[rank * 4:(rank + 1) * 4], k, v])
+        assert torch.equal(layer.weight, expected)
+
+
+def test_merged_column_linear_loads_parts_by_shard_id():
+    layer = linear.MergedColumnParallelLinear(3, [2, 4])
+    gate, up = torch.randn(2, 3), torch.randn(4, 3)
+    layer.weight.weight_loader(layer.weight, up, 1)
+    layer.weight.weight_loader(layer.weight, gate, 0)
+    assert torch.equal(layer.weight, torch.cat([gate, up]))
+    with pytest.raises(CheckpointError, match="shard id"):
+        layer.weight.weight_loader(layer.weight, gate)
+
+
+def test_weight_of_wrong_shape_is_a_checkpoint_error():
+    layer = linear.ReplicatedLinear(3, 2)
+    with pytest.raises(CheckpointError, match=r"\(2, 3\)"):
+        layer.weight.weight_loader(layer.weight, torch.randn(3, 3))
+
+
+def test_heads_not_divisible_by_tp_size_is_a_config_error(monkeypatch):
+    as_rank(monkeypatch, linear, 0, 3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
+        linear.QKVParallelLinear(8, 2, 4, 2)
+
+
+def test_vocab_parallel_embedding_shards_rows_and_masks_foreign_ids(monkeypatch):
+    table = torch.randn(10, 4)
+    ids = torch.tensor([0, 4, 5, 9])
+    total = 0
+    for layer in sharded(monkeypatch, lambda: embed_head.VocabParallelEmbedding(10, 4), 2, embed_head):
+        layer.weight.weight_loader(layer.weight, table)
+        total = total + layer(ids)
+    torch.testing.assert_close(total, table[ids])
+
+
+def test_tied_lm_head_shares_the_embedding_weight():
+    embedding = embed_head.VocabParallelEmbedding(10, 4)
+    embedding.weight.data.normal_()
+    head = embed_head.ParallelLMHead(10, 4, tied_embedding=embedding)
+    hidden = torch.randn(2, 4)
+    assert head.weight is embedding.weight
+    torch.testing.assert_close(head(hidden), hidden @ embedding.weight.T)
+
+
+def test_rms_norm_with_residual_equals_add_then_norm():
+    norm = RMSNorm(8, eps=1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    out, new_residual = norm(x, residual)
+    summed = x + residual
+    expected = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(new_residual, summed)
+
+
+def test_activation_registry_and_unknown_name():
+    x = torch.randn(5)
+    torch.testing.assert_close(get_activation("quick_gelu")(x), x * torch.sigmoid(1.702 * x))
+    torch.testing.assert_close(ActAndMul("silu")(torch.cat([x, 2 * x])), F.silu(x) * 2 * x)
+    with pytest.raises(ConfigError, match="quick_gelu"):
+        get_activation("mish2")
+
+
+def test_mrope_with_equal_axes_is_standard_rope():
+    rope = MRotaryEmbedding(head_dim=16, theta=10000.0, mrope_section=(2, 3, 3))
+    positions = torch.tensor([0, 3, 7, 100])
+    q, k = torch.randn(4, 2 * 16), torch.randn(4, 16)
+    q1, k1 = rope(positions, q, k)
+    q3, k3 = rope(positions.expand(3, -1), q, k)
+    torch.testing.assert_close(q1, q3)
+    torch.testing.assert_close(k1, k3)
+    torch.testing.assert_close(q1[0], q[0])  # position 0 is the identity
+    torch.testing.assert_close(q1.view(4, 2, 16).norm(dim=-1), q.view(4, 2, 16).norm(dim=-1))
+
+
+def test_mrope_sections_follow_their_axis():
+    rope = MRotaryEmbedding(head_dim=16, theta=10000.0, mrope_section=(2, 3, 3))
+    positions = torch.tensor([[5], [0], [0]])
+    cos, _ = rope.cos_sin(positions)
+    assert torch.all(cos[0, 2:8] == 1) and torch.all(cos[0, 10:16] == 1)
+    assert not torch.any(cos[0, :2] == 1)
+
+
+def test_vision_position_ids_are_block_major():
+    ids = vision_position_ids([(1, 2, 4)], merge_size=2)
+    expected = [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
+    assert ids.tolist() == expected
+    assert vision_position_ids([(2, 2, 2)], 2).shape == (8, 2)
+
+
+def test_vision_rotary_splits_rows_and_columns():
+    cos, sin = VisionRotaryEmbedding(head_dim=8)(torch.tensor([[3, 0]]))
+    assert torch.all(cos[0, 2:4] == 1) and torch.all(sin[0, 6:8] == 0)
+
+
+def test_window_order_groups_merged_tokens_by_window():
+    order, lengths = window_order([(1, 6, 6)], merge_size=2, window_merged=2)
+    # 3x3 merged tokens; windows: 2x2, 2x1, 1x2, 1x1
+    assert order.tolist() == [0, 1, 3, 4, 2, 5, 6, 7, 8]
+    assert lengths == [16, 8, 8, 4]
+
+
+def test_segment_attention_keeps_segments_apart():
+    q, k, v = torch.randn(7, 2, 4), torch.randn(7, 2, 4), torch.randn(7, 2, 4)
+    out = segment_attention(q, k, v, [3, 4], scale=0.5)
+    for start, end in ((0, 3), (3, 7)):
+        expected = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
+                                                  v[start:end].transpose(0, 1), scale=0.5).transpose(0, 1)
+        torch.testing.assert_close(out[start:end], expected)
