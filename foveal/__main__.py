@@ -1,0 +1,5 @@
+import sys
+
+from foveal.entrypoints.cli import main
+
+sys.exit(main())

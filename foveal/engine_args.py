@@ -1,0 +1,74 @@
+"""User-facing engine options -> the frozen EngineConfig.
+
+One place turns keyword arguments (LLM(...), CLI flags, server flags) into
+configuration, so every entrypoint spells options the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from foveal.config import (CacheConfig, EngineConfig, ModelConfig, MultimodalConfig,
+                           SchedulerConfig)
+from foveal.errors import ConfigError
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    encoder_cache_size: int = 16384
+    encoder_compute_budget: int = 16384
+    load_format: str = "auto"
+    seed: int = 0
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    mm_processor_kwargs: dict = field(default_factory=dict)
+    max_image_pixels: int = 50_000_000
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; accepted: {sorted(known)}")
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        from foveal.worker.device import resolve_device, resolve_dtype
+
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ConfigError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
+        model_config = ModelConfig.from_hf(self.model)
+        device = resolve_device(self.device)
+        max_model_len = self.max_model_len or model_config.text.max_position_embeddings
+        if max_model_len > model_config.text.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_config.text.max_position_embeddings}")
+        limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size=self.block_size,
+                              kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              encoder_cache_size=self.encoder_cache_size),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=max_model_len,
+                                      encoder_compute_budget=self.encoder_compute_budget),
+            multimodal=MultimodalConfig(limit_mm_per_prompt=limits,
+                                        max_image_pixels=self.max_image_pixels,
+                                        mm_processor_kwargs=dict(self.mm_processor_kwargs)),
+            dtype=resolve_dtype(self.dtype, device),
+            device=device,
+            load_format=self.load_format,
+            seed=self.seed,
+        )

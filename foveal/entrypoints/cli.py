@@ -1,0 +1,42 @@
+"""`foveal` command line: each subcommand lives in its own module and
+registers its parser; heavy imports (torch) happen only when one runs."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from foveal.errors import FovealError
+
+# subcommand modules, each with `register(subparsers)`
+_SUBCOMMANDS = (
+    "foveal.entrypoints.demo",
+    "foveal.entrypoints.offline",
+    "foveal.bench.cli",
+    "foveal.loader.tiny_model",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="foveal",
+        description="Foveal: inference and serving engine for vision language models.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in _SUBCOMMANDS:
+        importlib.import_module(module).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except FovealError as error:
+        print(f"foveal: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

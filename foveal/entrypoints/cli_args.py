@@ -1,0 +1,73 @@
+"""Engine flags shared by every subcommand that loads a model (vLLM spelling)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from foveal.errors import ConfigError
+
+
+def _limit_mm(value: str) -> dict[str, int]:
+    """`image=4,video=1` or JSON `{"image": 4}`."""
+    if value.strip().startswith("{"):
+        return {k: int(v) for k, v in json.loads(value).items()}
+    limits = {}
+    for item in value.split(","):
+        modality, _, count = item.partition("=")
+        if not count.isdigit():
+            raise argparse.ArgumentTypeError(f"expected MODALITY=N, got {item!r}")
+        limits[modality.strip()] = int(count)
+    return limits
+
+
+def _json_dict(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", default="auto",
+                       help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="tokens per engine step (prefill chunks + decodes)")
+    group.add_argument("--kv-cache-memory-bytes", type=int,
+                       help="KV pool size (default: a fraction of free memory)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="turn prefix caching off")
+    group.add_argument("--encoder-cache-size", type=int, default=16384,
+                       help="encoder cache capacity, in visual tokens")
+    group.add_argument("--encoder-compute-budget", type=int, default=16384,
+                       help="visual tokens the vision encoder may produce per step")
+    group.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights at the checkpoint's shapes")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--limit-mm-per-prompt", type=_limit_mm, default={},
+                       help="max media items per prompt, e.g. image=4")
+    group.add_argument("--mm-processor-kwargs", type=_json_dict, default={},
+                       help='processor overrides, e.g. \'{"max_pixels": 401408}\'')
+    group.add_argument("--max-image-pixels", type=int, default=50_000_000,
+                       help="reject decoded images larger than this")
+
+
+_ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "load_format",
+                "encoder_cache_size", "encoder_compute_budget",
+                "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = {key: getattr(args, key) for key in _ENGINE_KEYS}
+    if kwargs["max_num_seqs"] < 1:
+        raise ConfigError("--max-num-seqs must be >= 1")
+    return kwargs

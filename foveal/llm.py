@@ -1,0 +1,107 @@
+"""Offline inference API, shaped like vLLM's `LLM`."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from foveal.engine.output import RequestOutput
+from foveal.engine_args import EngineArgs
+from foveal.errors import InvalidRequestError
+from foveal.input_processor import PromptType
+from foveal.multimodal.chat import parse_chat_messages
+from foveal.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then `generate()` or `chat()` over batches of prompts.
+
+    >>> llm = LLM(model="/path/to/Qwen2-VL-2B-Instruct")
+    >>> out = llm.generate({"prompt": ..., "multi_modal_data": {"image": img}})
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        from foveal.llm_engine import LLMEngine
+
+        self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        Every prompt is validated before any starts: a bad one raises an
+        InvalidRequestError naming its index, and nothing is left queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_per_prompt(len(prompts), sampling_params)
+        request_ids = self._add_all(prompts, params)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """OpenAI-style messages (or a list of conversations) -> outputs."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conversation in conversations:
+            template_messages, images = parse_chat_messages(conversation)
+            text = self.get_tokenizer().apply_chat_template(
+                template_messages, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}))
+            prompt: dict[str, Any] = {"prompt": text}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            if mm_processor_kwargs:
+                prompt["mm_processor_kwargs"] = mm_processor_kwargs
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.llm_engine.get_metrics()
+
+    @staticmethod
+    def _params_per_prompt(n: int, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise InvalidRequestError(
+                f"got {len(sampling_params)} sampling params for {n} prompts")
+        return list(sampling_params)
+
+    def _add_all(self, prompts: Sequence[PromptType], params: list[SamplingParams]) -> list[str]:
+        engine = self.llm_engine
+        processed = []
+        for index, (prompt, sp) in enumerate(zip(prompts, params)):
+            try:
+                request, text = engine.input_processor.process(engine.new_request_id(), prompt, sp)
+                engine.core.scheduler.check_request(request)
+                processed.append((request, text))
+            except InvalidRequestError as error:
+                raise type(error)(f"prompt {index}: {error}") from error
+        for request, text in processed:
+            engine.core.add_request(request)
+            engine.output_processor.add_request(request.request_id, text,
+                                                request.prompt_token_ids,
+                                                request.sampling_params, request.arrival_time)
+        return [request.request_id for request, _ in processed]
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

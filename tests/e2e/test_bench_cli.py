@@ -1,0 +1,50 @@
+"""`foveal bench throughput` end to end on the tiny preset, with the transformers baseline."""
+from __future__ import annotations
+
+import json
+
+from foveal.entrypoints.cli import main
+
+
+def test_bench_throughput_dummy_preset_with_hf_baseline(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path / "cache"))
+    report_path = tmp_path / "bench.json"
+    rc = main(["bench", "throughput", "--dummy", "tiny-qwen2-vl", "--num-prompts", "5",
+               "--images-per-prompt", "2", "--image-size", "96x64", "--input-len", "8",
+               "--output-len", "6", "--output-len-range", "0.5", "--seed", "1",
+               "--baseline", "hf", "--hf-batch-sizes", "1,3", "--max-num-seqs", "4",
+               "--json", str(report_path)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "hf (batch 3)" in stdout and "foveal / hf output tokens/s" in stdout
+
+    report = json.loads(report_path.read_text())
+    assert (tmp_path / "cache" / "tiny-qwen2-vl" / "config.json").exists()
+    assert report["workload"]["num_prompts"] == 5 and report["workload"]["seed"] == 1
+    assert report["engine_kwargs"]["max_num_seqs"] == 4
+    foveal, hf_1, hf_3 = report["results"]
+    assert (foveal["system"], hf_1["batch_size"], hf_3["batch_size"]) == ("foveal", 1, 3)
+    # Same workload, same checkpoint: both systems expand the same visual tokens
+    # and produce every requested token (EOS ignored).
+    for row in (hf_1, hf_3):
+        assert row["prompt_tokens"] == foveal["prompt_tokens"]
+        assert row["output_tokens"] == foveal["output_tokens"]
+    assert foveal["num_requests"] == 5 and foveal["ttft_median_s"] > 0
+    assert report["speedup_vs_hf"] > 0
+    assert report["best_hf_batch_size"] in (1, 3)
+
+
+def test_bench_throughput_on_checkpoint_saved_by_transformers(tmp_path, capsys):
+    from tests.models.hf_checkpoint import write_hf_tiny_qwen2_vl
+
+    # Its generation_config lists every token as EOS: both systems must ignore EOS.
+    model_dir = write_hf_tiny_qwen2_vl(tmp_path / "ckpt")
+    report_path = tmp_path / "bench.json"
+    rc = main(["bench", "throughput", "--model", str(model_dir), "--num-prompts", "4",
+               "--images-per-prompt", "1", "--image-size", "80x60", "--input-len", "5",
+               "--output-len", "4", "--baseline", "hf", "--hf-batch-sizes", "2",
+               "--json", str(report_path)])
+    assert rc == 0
+    foveal, hf = json.loads(report_path.read_text())["results"]
+    assert foveal["output_tokens"] == hf["output_tokens"] == 16
+    assert foveal["prompt_tokens"] == hf["prompt_tokens"]
