@@ -65,10 +65,16 @@ class LLM:
     def get_metrics(self) -> dict[str, float]:
         return self.llm_engine.get_metrics()
 
-    @staticmethod
-    def _params_per_prompt(n: int, sampling_params) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Used when generate()/chat() get none: the checkpoint's
+        generation_config.json sampling fields over SamplingParams' defaults."""
+        from foveal.loader.hf_config import default_sampling_overrides
+
+        return SamplingParams(**default_sampling_overrides(self.llm_engine.config.model.path))
+
+    def _params_per_prompt(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

@@ -108,3 +108,22 @@ def model_config_from_hf(path: str) -> ModelConfig:
     generation_path = os.path.join(path, "generation_config.json")
     generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
     return model_config_from_dict(_read_json(config_path), path=path, generation_config=generation)
+
+
+# generation_config.json keys that become default SamplingParams fields.
+_SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "min_p": "min_p"}
+
+
+def default_sampling_overrides(path: str | None) -> dict:
+    """SamplingParams defaults the checkpoint publishes (vLLM's
+    generation_config="auto"): temperature/top_p/top_k/min_p, or greedy when
+    the checkpoint says do_sample=false."""
+    generation_path = os.path.join(path or "", "generation_config.json")
+    if not path or not os.path.isfile(generation_path):
+        return {}
+    generation = _read_json(generation_path)
+    if generation.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {ours: generation[key] for key, ours in _SAMPLING_DEFAULTS.items()
+            if generation.get(key) is not None}
