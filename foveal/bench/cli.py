@@ -1,0 +1,133 @@
+"""`foveal bench throughput`: offline throughput on a seeded multimodal
+workload, optionally against transformers on the same checkpoint folder."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
+from foveal.errors import ConfigError
+
+
+def _batch_sizes(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(item) for item in value.split(",") if item.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    from foveal.entrypoints.demo import default_cache_dir
+    from foveal.loader.tiny_model import ensure_tiny_checkpoint
+
+    return ensure_tiny_checkpoint(default_cache_dir() / args.dummy, args.dummy)
+
+
+def _workload_spec(args: argparse.Namespace):
+    from foveal.bench.workload import WorkloadSpec, parse_image_size
+
+    return WorkloadSpec(num_prompts=args.num_prompts, images_per_prompt=args.images_per_prompt,
+                        image_size=parse_image_size(args.image_size), input_len=args.input_len,
+                        output_len=args.output_len, output_len_range=args.output_len_range,
+                        seed=args.seed)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = engine_kwargs(args)
+    limits = dict(kwargs["limit_mm_per_prompt"])
+    limits.setdefault("image", max(1, args.images_per_prompt))
+    kwargs["limit_mm_per_prompt"] = limits
+    return kwargs
+
+
+def _finite(value):
+    """NaN (no samples) -> null, so the report is strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+def run_bench_throughput(args: argparse.Namespace) -> int:
+    from foveal.bench.report import format_table
+    from foveal.bench.throughput import ThroughputPlan, run_throughput
+    from foveal.bench.workload import workload_summary
+
+    if args.baseline and not args.hf_batch_sizes:
+        raise ConfigError("--hf-batch-sizes is empty; give at least one batch size")
+    spec = _workload_spec(args)
+    plan = ThroughputPlan(model_dir=_model_dir(args), workload=spec,
+                          engine_kwargs=_engine_kwargs(args),
+                          hf_batch_sizes=args.hf_batch_sizes if args.baseline == "hf" else ())
+    print(f"model: {plan.model_dir}" + (f" (dummy preset {args.dummy})" if args.dummy else ""))
+    print(f"workload: {json.dumps(workload_summary(spec))}", flush=True)
+    report = run_throughput(plan)
+    print(format_table(report["results"]))
+    if report["speedup_vs_hf"] is not None:
+        print(f"foveal / hf output tokens/s: {report['speedup_vs_hf']:.2f}x "
+              f"(best hf batch size {report['best_hf_batch_size']})")
+    if args.json:
+        _write_json(Path(args.json), args, plan, report)
+    return 0
+
+
+def _write_json(path: Path, args: argparse.Namespace, plan, report: dict) -> None:
+    from foveal.bench.workload import workload_summary
+
+    arguments = {key: value for key, value in vars(args).items() if key != "func"}
+    body = {"command_line": shlex.join(["foveal", *sys.argv[1:]]), "arguments": arguments,
+            "model_dir": str(plan.model_dir), "engine_kwargs": plan.engine_kwargs,
+            "workload": workload_summary(plan.workload), **report}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(body), indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+def _add_workload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload (seeded by --seed)")
+    group.add_argument("--num-prompts", type=int, default=32)
+    group.add_argument("--images-per-prompt", type=int, default=1)
+    group.add_argument("--image-size", default="448x448",
+                       help="WIDTHxHEIGHT; each side varies uniformly in [0.75, 1.25]x")
+    group.add_argument("--input-len", type=int, default=64,
+                       help="random text tokens per prompt, besides image placeholders")
+    group.add_argument("--output-len", type=int, default=64)
+    group.add_argument("--output-len-range", type=float, default=0.0,
+                       help="R: output lengths uniform in [out*(1-R), out*(1+R)]")
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks",
+                                  description="Benchmarks on synthetic workloads.")
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK",
+                                          required=True)
+    throughput = bench_commands.add_parser(
+        "throughput", help="offline throughput, optionally vs transformers",
+        description="Time one offline generate() over a seeded multimodal workload (random "
+                    "images and text, EOS ignored); with --baseline hf, run the same workload "
+                    "through transformers' generate() on the same checkpoint folder.")
+    source = throughput.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="Hugging Face checkpoint folder")
+    source.add_argument("--dummy", metavar="PRESET",
+                        help="random-weight checkpoint of a preset (tiny-qwen2-vl, "
+                             "tiny-qwen2.5-vl, small, ...), built once into the cache")
+    _add_workload_args(throughput)
+    baseline = throughput.add_argument_group("baseline")
+    baseline.add_argument("--baseline", choices=["hf"], help="also run transformers")
+    baseline.add_argument("--hf-batch-sizes", type=_batch_sizes, default=(1, 8, 32),
+                          help="static batch sizes to try (default 1,8,32)")
+    throughput.add_argument("--json", metavar="OUT", help="write every number here")
+    add_engine_args(throughput)
+    throughput.set_defaults(func=run_bench_throughput)

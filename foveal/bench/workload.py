@@ -1,0 +1,162 @@
+"""Synthetic multimodal workload for offline benchmarks, fully determined by a seed.
+
+Each request holds K random-content RGB images whose sides vary around the
+requested size (real traffic is never one resolution), L random text tokens
+drawn from the tokenizer's ordinary vocabulary, and an output length drawn
+uniformly around the requested one. Prompts are token ids: one
+`<|vision_start|><|image_pad|><|vision_end|>` per image, then the text; the
+engine expands each `<|image_pad|>` to the image's visual-token count.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from foveal.errors import CheckpointError, ConfigError
+
+# Each image side is drawn uniformly from [LOW, HIGH] x the requested side.
+IMAGE_SIDE_JITTER = (0.75, 1.25)
+WARMUP_IMAGE_SIDE = 56
+
+
+@dataclass(frozen=True)
+class PromptVocab:
+    """The token ids a synthetic prompt is built from."""
+
+    vision_start_id: int
+    image_pad_id: int
+    vision_end_id: int
+    text_token_ids: tuple[int, ...]  # ordinary (non-special) tokens the model can embed
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "PromptVocab":
+        """The checkpoint's tokenizer, minus special tokens and ids the model can't embed."""
+        from foveal.tokenizer import Tokenizer
+
+        model_dir = Path(model_dir)
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        special_ids = set(tokenizer.all_special_ids)
+        embeddable = min(tokenizer.vocab_size, _text_vocab_size(model_dir))
+        text_ids = tuple(i for i in range(embeddable) if i not in special_ids)
+        return cls(vision_start_id=_special_id(tokenizer, "<|vision_start|>"),
+                   image_pad_id=_special_id(tokenizer, "<|image_pad|>"),
+                   vision_end_id=_special_id(tokenizer, "<|vision_end|>"),
+                   text_token_ids=text_ids)
+
+
+def _special_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise CheckpointError(f"the tokenizer has no {token} token; is this a Qwen2-VL checkpoint?")
+    return token_id
+
+
+def _text_vocab_size(model_dir: Path) -> int:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{model_dir} has no config.json") from None
+    return config.get("text_config", config)["vocab_size"]
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_prompts: int
+    images_per_prompt: int
+    image_size: tuple[int, int]  # (width, height) the sizes vary around
+    input_len: int  # text tokens per prompt, besides the image placeholders
+    output_len: int
+    output_len_range: float  # R: output lengths uniform in [out*(1-R), out*(1+R)]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.num_prompts >= 1, f"--num-prompts must be >= 1, got {self.num_prompts}"),
+            (self.images_per_prompt >= 0,
+             f"--images-per-prompt must be >= 0, got {self.images_per_prompt}"),
+            (min(self.image_size) >= 1, f"--image-size must be positive, got {self.image_size}"),
+            (self.input_len >= 0, f"--input-len must be >= 0, got {self.input_len}"),
+            (self.output_len >= 1, f"--output-len must be >= 1, got {self.output_len}"),
+            (0 <= self.output_len_range < 1,
+             f"--output-len-range must be in [0, 1), got {self.output_len_range}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def output_len_bounds(self) -> tuple[int, int]:
+        low = max(1, math.ceil(self.output_len * (1 - self.output_len_range)))
+        high = max(low, math.floor(self.output_len * (1 + self.output_len_range)))
+        return low, high
+
+    def image_side_bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((min_w, max_w), (min_h, max_h)), inclusive."""
+        low, high = IMAGE_SIDE_JITTER
+        return tuple((max(1, round(side * low)), max(1, round(side * high)))  # type: ignore[return-value]
+                     for side in self.image_size)
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]  # placeholders not yet expanded: one <|image_pad|> per image
+    images: list[Image.Image]
+    output_len: int
+
+    def to_prompt(self) -> dict:
+        """The request as a Foveal / vLLM prompt dict."""
+        return {"prompt_token_ids": list(self.prompt_token_ids),
+                "multi_modal_data": {"image": list(self.images)}}
+
+
+def parse_image_size(value: str) -> tuple[int, int]:
+    """'640x480' -> (640, 480)."""
+    width, sep, height = value.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit():
+        raise ConfigError(f"--image-size must look like WIDTHxHEIGHT (e.g. 640x480), got {value!r}")
+    return int(width), int(height)
+
+
+def build_workload(spec: WorkloadSpec, vocab: PromptVocab) -> list[BenchRequest]:
+    """N requests; the same spec and vocab always give the same requests."""
+    if spec.input_len and not vocab.text_token_ids:
+        raise CheckpointError("the tokenizer has no ordinary tokens to build text from")
+    rng = np.random.default_rng(spec.seed)
+    (min_w, max_w), (min_h, max_h) = spec.image_side_bounds()
+    low, high = spec.output_len_bounds()
+    text_ids = np.asarray(vocab.text_token_ids, dtype=np.int64)
+    image_prefix = [vocab.vision_start_id, vocab.image_pad_id, vocab.vision_end_id]
+    requests = []
+    for _ in range(spec.num_prompts):
+        images = []
+        for _ in range(spec.images_per_prompt):
+            width = int(rng.integers(min_w, max_w, endpoint=True))
+            height = int(rng.integers(min_h, max_h, endpoint=True))
+            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+            images.append(Image.fromarray(pixels))
+        text = rng.choice(text_ids, size=spec.input_len).tolist() if spec.input_len else []
+        output_len = int(rng.integers(low, high, endpoint=True))
+        requests.append(BenchRequest(image_prefix * len(images) + text, images, output_len))
+    return requests
+
+
+def warmup_request(vocab: PromptVocab) -> BenchRequest:
+    """A tiny request run before timing; its flat gray image shares no cache entry
+    with the workload's random ones."""
+    image = Image.new("RGB", (WARMUP_IMAGE_SIDE, WARMUP_IMAGE_SIDE), (128, 128, 128))
+    prompt = [vocab.vision_start_id, vocab.image_pad_id, vocab.vision_end_id]
+    return BenchRequest(prompt + list(vocab.text_token_ids[:4]), [image], output_len=2)
+
+
+def workload_summary(spec: WorkloadSpec) -> dict:
+    """The spec as plain data, for the JSON report."""
+    (min_w, max_w), (min_h, max_h) = spec.image_side_bounds()
+    return {"num_prompts": spec.num_prompts, "images_per_prompt": spec.images_per_prompt,
+            "image_size": list(spec.image_size), "image_width_range": [min_w, max_w],
+            "image_height_range": [min_h, max_h], "input_len": spec.input_len,
+            "output_len": spec.output_len, "output_len_range": spec.output_len_range,
+            "output_len_bounds": list(spec.output_len_bounds()), "seed": spec.seed}
