@@ -6,7 +6,7 @@ files never thread cache or metadata arguments through their forward().
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -38,6 +38,9 @@ class AttentionMetadata:
     # Host copies, for CPU reference kernels that loop over requests.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Tensors a backend derives once per forward and reuses in every layer
+    # (gather indices, masks), keyed by the backend.
+    backend_cache: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -53,7 +53,10 @@ class MRotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q (T, H*D), k (T, Hkv*D) -> rotated q, k (same shapes)."""
-        cos, sin = self.cos_sin(positions)
+        return self.rotate(q, k, *self.cos_sin(positions))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotate with cos/sin from cos_sin() (computed once per forward, shared by layers)."""
         num_tokens = q.shape[0]
         q = apply_rotary(q.view(num_tokens, -1, self.head_dim), cos, sin)
         k = apply_rotary(k.view(num_tokens, -1, self.head_dim), cos, sin)

@@ -27,10 +27,12 @@ class Qwen2Attention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                               head_dim ** -0.5, layer_idx)
 
-    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        """rope: (cos, sin) (T, D) for this step, shared by every layer."""
         qkv = self.qkv_proj(hidden_states)  # (T, (H + 2*Hkv) * D)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.rotate(q, k, *rope)
         return self.o_proj(self.attn(q, k, v))  # (T, hidden)
 
 
@@ -53,13 +55,13 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+    def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, positions)
+        hidden_states = self.self_attn(hidden_states, rope)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -74,7 +76,8 @@ class Qwen2Model(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T, hidden), positions (3, T) or (T,) -> (T, hidden)."""
         hidden_states, residual = inputs_embeds, None
+        rope = self.layers[0].self_attn.rotary_emb.cos_sin(positions)  # same for every layer
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, positions, residual)
+            hidden_states, residual = layer(hidden_states, rope, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states

@@ -1,10 +1,14 @@
 """CPU reference attention backend on torch scaled_dot_product_attention.
 
-Decode requests (one new query) of a step run as one batched SDPA call over
-their contexts gathered from the paged cache, padded and masked; prefill
-chunks run one call per request.
+What depends only on the batch layout (which rows decode, the flat cache
+slots of every context position, the padding masks) is derived once per
+forward (`StepLayout`) and shared by all layers, so a decode step costs each
+layer one gather of K and V and one SDPA call. GQA runs without expanding K/V:
+the G query heads that share a KV head ride as G query rows of that head.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,27 +24,60 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(kv_cache.dtype)
 
 
-def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_tables (B, >=nb) -> keys, values (B, Hkv, L, D) for the first
-    L = nb * block_size context slots of each request."""
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-num_tokens // block_size)
-    ids = block_tables[:, :num_blocks].long()  # (B, nb)
-    keys = kv_cache[0][ids].flatten(1, 2)  # (B, nb*bs, Hkv, D)
-    values = kv_cache[1][ids].flatten(1, 2)
-    return keys.transpose(1, 2), values.transpose(1, 2)  # (B, Hkv, L, D)
+def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """block_tables (B, nb) -> flat cache slots (B, length) of positions 0..length-1."""
+    positions = torch.arange(length, device=block_tables.device)
+    blocks = block_tables[:, positions // block_size].long()  # (B, length)
+    return blocks * block_size + positions % block_size
+
+
+@dataclass
+class _Prefill:
+    rows: slice  # query rows of this request in the flattened batch
+    seq_len: int  # context length after this step
+    slots: torch.Tensor | None  # (seq_len,) cache slots; None when all context is new
+
+
+@dataclass
+class StepLayout:
+    decode_rows: torch.Tensor | None  # (Bd,) rows of single-query requests
+    decode_slots: torch.Tensor | None  # (Bd, Lmax) flat slots, padding points at slot 0
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) True where the key is real
+    prefills: list[_Prefill]
+
+    @classmethod
+    def build(cls, metadata: AttentionMetadata) -> "StepLayout":
+        starts = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
+        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        prefills = [cls._prefill(metadata, starts, seq_lens, i)
+                    for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
+        if not decodes:
+            return cls(None, None, None, prefills)
+        device = metadata.block_tables.device
+        lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+        max_len = int(max(seq_lens[i] for i in decodes))
+        tables = metadata.block_tables[torch.tensor(decodes, device=device)]
+        slots = context_slots(tables, max_len, metadata.block_size)  # (Bd, Lmax)
+        mask = torch.arange(max_len, device=device) < lens.unsqueeze(-1)  # (Bd, Lmax)
+        rows = torch.tensor([starts[i] for i in decodes], device=device)
+        return cls(rows, slots, mask[:, None, None, :], prefills)
+
+    @staticmethod
+    def _prefill(metadata, starts, seq_lens, i) -> _Prefill:
+        num_new, seq_len = starts[i + 1] - starts[i], seq_lens[i]
+        slots = None
+        if num_new < seq_len:
+            slots = context_slots(metadata.block_tables[i:i + 1], seq_len,
+                                  metadata.block_size)[0]
+        return _Prefill(slice(starts[i], starts[i + 1]), seq_len, slots)
 
 
 class SdpaBackend:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
-
-    def _sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                              is_causal=causal, scale=self.scale,
-                                              enable_gqa=self.num_heads != self.num_kv_heads)
+        self.group = num_heads // num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata | None) -> torch.Tensor:
@@ -50,44 +87,64 @@ class SdpaBackend:
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if metadata is None:
-            out = self._sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True)
-            return out.transpose(0, 1).reshape(num_tokens, -1)  # (T, H*D)
+            return self._causal(q, k, v).reshape(num_tokens, -1)
         if kv_cache is not None and kv_cache.numel() > 0:
             write_kv(kv_cache, k, v, metadata.slot_mapping)
+        layout = metadata.backend_cache.get("sdpa")
+        if layout is None:
+            layout = metadata.backend_cache["sdpa"] = StepLayout.build(metadata)
         out = torch.empty_like(q)  # (T, H, D)
-        starts = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
-        seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
-        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        if decodes:
-            self._decode(q, kv_cache, metadata, out, [starts[i] for i in decodes],
-                         decodes, [seq_lens[i] for i in decodes])
-        for i in range(len(seq_lens)):
-            if starts[i + 1] - starts[i] > 1:
-                rows = slice(starts[i], starts[i + 1])
-                out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache,
-                                          metadata.block_tables[i:i + 1], seq_lens[i])
+        if layout.decode_rows is not None:
+            out[layout.decode_rows] = self._decode(q[layout.decode_rows], kv_cache, layout)
+        for prefill in layout.prefills:
+            rows = prefill.rows
+            if prefill.slots is None:
+                out[rows] = self._causal(q[rows], k[rows], v[rows])
+            else:
+                out[rows] = self._with_context(q[rows], kv_cache, prefill)
         return out.view(num_tokens, -1)
 
-    def _decode(self, q, kv_cache, metadata, out, rows, requests, seq_lens) -> None:
-        """One batched call for every single-query request."""
-        index = torch.tensor(requests, device=q.device)
-        rows_t = torch.tensor(rows, device=q.device)
-        keys, values = gather_context(kv_cache, metadata.block_tables[index], max(seq_lens))
-        lens = torch.tensor(seq_lens, device=q.device)
-        mask = torch.arange(keys.shape[2], device=q.device) < lens.unsqueeze(-1)  # (B, L)
-        queries = q[rows_t].unsqueeze(2)  # (B, H, 1, D)
-        result = self._sdpa(queries, keys, values, mask[:, None, None, :])  # (B, H, 1, D)
-        out[rows_t] = result.squeeze(2)
+    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
+        """(n, H, D) -> (Hkv, n*G, D): query heads sharing a KV head side by side."""
+        n = q.shape[0]
+        q = q.view(n, self.num_kv_heads, self.group, self.head_dim)
+        return q.permute(1, 0, 2, 3).reshape(self.num_kv_heads, n * self.group, self.head_dim)
 
-    def _prefill(self, q, k, v, kv_cache, block_table, seq_len) -> torch.Tensor:
-        """q (n, H, D) of one request whose context is seq_len tokens -> (n, H, D)."""
-        num_new = q.shape[0]
-        if num_new == seq_len or kv_cache is None:
-            out = self._sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True)
-            return out.transpose(0, 1)
-        keys, values = gather_context(kv_cache, block_table, seq_len)
-        keys, values = keys[0, :, :seq_len], values[0, :, :seq_len]  # (Hkv, L, D)
+    def _ungrouped(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """(Hkv, n*G, D) -> (n, H, D)."""
+        out = out.view(self.num_kv_heads, n, self.group, self.head_dim)
+        return out.permute(1, 0, 2, 3).reshape(n, self.num_heads, self.head_dim)
+
+    def _causal(self, q, k, v) -> torch.Tensor:
+        """One fresh sequence: q (n, H, D), k/v (n, Hkv, D) -> (n, H, D)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            is_causal=True, scale=self.scale, enable_gqa=self.group > 1)  # (H, n, D)
+        return out.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: StepLayout
+                ) -> torch.Tensor:
+        """q (Bd, H, D), one query per request -> (Bd, H, D)."""
+        batch, max_len = layout.decode_slots.shape
+        flat = layout.decode_slots.view(-1)
+        keys = kv_cache[0].flatten(0, 1)[flat].view(batch, max_len, self.num_kv_heads, -1)
+        values = kv_cache[1].flatten(0, 1)[flat].view(batch, max_len, self.num_kv_heads, -1)
+        queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # (Bd, Hkv, G, D)
+        out = F.scaled_dot_product_attention(
+            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=layout.decode_mask, scale=self.scale)  # (Bd, Hkv, G, D)
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _with_context(self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill
+                      ) -> torch.Tensor:
+        """A chunk after cached context: q (n, H, D) at positions seq_len-n.. -> (n, H, D)."""
+        num_new, seq_len = q.shape[0], prefill.seq_len
+        keys = kv_cache[0].flatten(0, 1)[prefill.slots].transpose(0, 1)  # (Hkv, L, D)
+        values = kv_cache[1].flatten(0, 1)[prefill.slots].transpose(0, 1)
         query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device) <= query_pos.unsqueeze(-1)  # (n, L)
-        out = self._sdpa(q.transpose(0, 1), keys, values, mask)  # (H, n, D)
-        return out.transpose(0, 1)
+        mask = mask.repeat_interleave(self.group, dim=0)  # (n*G, L), rows as _grouped lays out
+        out = F.scaled_dot_product_attention(
+            self._grouped(q), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+            scale=self.scale)  # (Hkv, n*G, D)
+        return self._ungrouped(out, num_new)
