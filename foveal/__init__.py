@@ -2,7 +2,7 @@
 from foveal.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["AsyncLLM", "LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from foveal.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from foveal.async_engine import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(name)

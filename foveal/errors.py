@@ -43,3 +43,20 @@ class SamplingParamsError(InvalidRequestError):
 
 class EngineDeadError(FovealError):
     """The engine loop stopped; no request can be served."""
+
+
+class EngineOverloadedError(FovealError):
+    """Too many requests are in flight; retry later (HTTP 503) or raise the limit."""
+
+
+class StageError(FovealError):
+    """A preprocessing stage (PDF, OCR, ASR) could not serve an item: its
+    worker died twice, or every endpoint of a remote stage is down."""
+
+
+class StageOverloadedError(StageError):
+    """A stage's queue is full; retry later or add workers (the server answers 503)."""
+
+
+class StageTimeoutError(StageError):
+    """A stage item ran past its timeout; its worker was killed and replaced."""

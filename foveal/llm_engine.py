@@ -8,10 +8,8 @@ import itertools
 from typing import Any
 
 from foveal.config import EngineConfig
-from foveal.engine.core import EngineCore
 from foveal.engine.output import OutputProcessor, RequestOutput
 from foveal.engine.request import RequestStatus
-from foveal.engine.scheduler import Scheduler
 from foveal.input_processor import InputProcessor, PromptType
 from foveal.sampling_params import SamplingParams
 from foveal.tokenizer import Tokenizer
@@ -19,14 +17,13 @@ from foveal.tokenizer import Tokenizer
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from foveal.worker.executor import UniProcExecutor
+        from foveal.worker.executor import build_engine_core
 
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model.path)
         self.input_processor = InputProcessor(config, self.tokenizer)
-        self.executor = UniProcExecutor(config)
-        scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
-        self.core = EngineCore(scheduler, self.executor)
+        self.core = build_engine_core(config)
+        self.executor = self.core.executor
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

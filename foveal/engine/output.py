@@ -45,6 +45,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    preprocess_time: float | None = None  # seconds in tokenization + media processing
 
 
 @dataclass

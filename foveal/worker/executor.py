@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from foveal.config import EngineConfig
+from foveal.engine.core import EngineCore
 from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
 from foveal.worker.device import torch_dtype
@@ -36,3 +37,12 @@ class UniProcExecutor:
     def shutdown(self) -> None:
         """Drop the model and the KV cache so their memory can be reused."""
         self.model_runner = None
+
+
+def build_engine_core(engine_config: EngineConfig) -> EngineCore:
+    """Executor + scheduler sized to the KV pool it allocated, as one EngineCore."""
+    from foveal.engine.scheduler import Scheduler
+
+    executor = UniProcExecutor(engine_config)
+    scheduler = Scheduler(engine_config.scheduler, engine_config.cache, executor.num_blocks)
+    return EngineCore(scheduler, executor)

@@ -1,0 +1,284 @@
+"""AsyncLLM: the asyncio front of the engine, with the engine core in its own process.
+
+API process:  generate() -> PreprocessPool (worker processes) -> core socket
+              output thread: core socket -> OutputProcessor (detokenize, stop
+              strings) -> one asyncio queue per request
+Core process: EngineCore loop (foveal/async_engine/core_process.py)
+
+The output thread owns the reading side of the core's socket, so outputs flow
+whatever event loop (or loops) the callers run on; a lock guards the
+OutputProcessor and the request table it shares with the callers.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from foveal.async_engine.core_process import EngineCoreProcess
+from foveal.async_engine.messages import (AbortRequests, CoreFailed, CoreOutputs, MetricsQuery,
+                                          MetricsReply, RequestRejected)
+from foveal.async_engine.preprocess_pool import PreprocessedRequest, PreprocessPool
+from foveal.engine.output import CompletionOutput, OutputProcessor, RequestOutput
+from foveal.engine.request import EngineCoreOutput, RequestStatus
+from foveal.engine_args import EngineArgs
+from foveal.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError
+from foveal.input_processor import PromptType
+from foveal.sampling_params import SamplingParams
+from foveal.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestStream:
+    """One generate() call in flight. Items are RequestOutputs or an exception."""
+
+    loop: asyncio.AbstractEventLoop
+    stream: bool
+    arrival_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    preprocess_time: float | None = None
+    in_core: bool = False
+    finished: bool = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe hand-off to the caller's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's event loop is closed: nobody is waiting
+
+
+class AsyncLLM:
+    """Concurrent streaming generation for a server.
+
+    >>> async with AsyncLLM(EngineArgs(model=path)) as llm:
+    ...     async for delta in llm.generate("Hi", SamplingParams(), "req-1"):
+    ...         print(delta.outputs[0].text, end="")
+    """
+
+    def __init__(self, engine_args: EngineArgs, *, preprocess_workers: int = 2,
+                 max_pending_requests: int = 256) -> None:
+        if max_pending_requests < 1:
+            raise ConfigError(f"max_pending_requests={max_pending_requests}; it must be >= 1")
+        self.engine_config = engine_args.create_engine_config()
+        self.tokenizer = Tokenizer.from_pretrained(self.engine_config.model.path)
+        self.max_pending_requests = max_pending_requests
+        self._output_processor = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()
+        self._requests: dict[str, _RequestStream] = {}
+        self._metrics_queries: dict[int, concurrent.futures.Future] = {}
+        self._query_ids = itertools.count()
+        self._dead_error: EngineDeadError | None = None
+        self._shut_down = False
+        # The pool first: its workers spawn while the core loads the model.
+        self._pool = PreprocessPool(self.engine_config, preprocess_workers)
+        try:
+            self._core = EngineCoreProcess(self.engine_config)
+        except BaseException:
+            self._pool.shutdown()
+            raise
+        self._output_thread = threading.Thread(target=self._run_output_loop,
+                                               name="foveal-output", daemon=True)
+        self._output_thread.start()
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                       request_id: str, *, stream: bool = True
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield deltas (stream=True) or one final cumulative output (stream=False).
+
+        Invalid requests raise their InvalidRequestError before anything is
+        yielded. Stopping early (aclose, cancellation) aborts the request.
+        """
+        record = self._register(request_id, stream)
+        try:
+            processed = await self._pool.process(request_id, prompt,
+                                                 sampling_params or SamplingParams())
+            self._submit(request_id, record, processed)
+            while True:
+                item = await record.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._release(request_id, record)
+
+    def _register(self, request_id: str, stream: bool) -> _RequestStream:
+        with self._lock:
+            self._raise_if_dead()
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight; "
+                                          f"send a unique request id")
+            if len(self._requests) >= self.max_pending_requests:
+                raise EngineOverloadedError(
+                    f"{len(self._requests)} requests are in flight, the limit "
+                    f"(max_pending_requests) is {self.max_pending_requests}; retry later "
+                    f"or raise the limit")
+            record = _RequestStream(asyncio.get_running_loop(), stream, time.time())
+            self._requests[request_id] = record
+            return record
+
+    def _submit(self, request_id: str, record: _RequestStream,
+                processed: PreprocessedRequest) -> None:
+        with self._lock:
+            if record.finished:
+                return  # aborted while it was preprocessed; its final output is queued
+            self._raise_if_dead()
+            record.prompt, record.prompt_token_ids = processed.prompt, processed.prompt_token_ids
+            record.preprocess_time = processed.preprocess_time
+            self._output_processor.add_request(
+                request_id, processed.prompt, processed.prompt_token_ids,
+                processed.sampling_params, record.arrival_time, stream_delta=record.stream)
+            try:
+                self._core.send(processed.add_request_frame)
+            except EngineDeadError:
+                self._output_processor.abort_requests([request_id])
+                raise
+            record.in_core = True
+
+    def _release(self, request_id: str, record: _RequestStream) -> None:
+        """Forget the request; abort it in the core if it is still running there."""
+        with self._lock:
+            if self._requests.get(request_id) is record:
+                del self._requests[request_id]
+            if record.in_core and not record.finished:
+                record.finished = True
+                self._abort_in_core([request_id], RequestStatus.FINISHED_ABORTED)
+
+    def _abort_in_core(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Caller holds the lock. The engine frees the requests' KV blocks and encoder refs."""
+        self._output_processor.abort_requests(request_ids)
+        try:
+            self._core.send(AbortRequests(request_ids, status))
+        except EngineDeadError:
+            pass  # nothing left to free
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its generate() yields a final output with finish_reason "abort"."""
+        with self._lock:
+            record = self._requests.get(request_id)
+            if record is None or record.finished:
+                return
+            record.finished = True
+            if record.in_core:
+                self._abort_in_core([request_id], RequestStatus.FINISHED_ABORTED)
+            completion = CompletionOutput(0, "", [], None, None, finish_reason="abort")
+            record.put(RequestOutput(request_id, record.prompt, record.prompt_token_ids,
+                                     [completion], finished=True))
+
+    async def get_metrics(self) -> dict[str, float]:
+        """The core's counters and gauges (names as LLM.get_metrics())."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._raise_if_dead()
+            query_id = next(self._query_ids)
+            self._metrics_queries[query_id] = future
+            try:
+                self._core.send(MetricsQuery(query_id))
+            except EngineDeadError:
+                del self._metrics_queries[query_id]
+                raise
+        return await asyncio.wrap_future(future)
+
+    async def check_health(self) -> bool:
+        return self._dead_error is None and not self._shut_down and self._core.alive
+
+    def _raise_if_dead(self) -> None:
+        if self._shut_down:
+            raise EngineDeadError("the engine was shut down; create a new AsyncLLM")
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error))
+
+    def _run_output_loop(self) -> None:
+        while True:
+            try:
+                for message in self._core.receive():
+                    self._dispatch(message)
+            except EngineDeadError as error:
+                self._fail_all(error)
+                return
+            except Exception as error:  # a bug here would otherwise hang every caller
+                logger.exception("output processing failed")
+                self._fail_all(EngineDeadError(f"output processing failed: {error!r}"))
+                return
+
+    def _dispatch(self, message) -> None:
+        if isinstance(message, CoreOutputs):
+            self._process_outputs(message.outputs)
+        elif isinstance(message, RequestRejected):
+            with self._lock:
+                self._output_processor.abort_requests([message.request_id])
+                record = self._requests.get(message.request_id)
+                if record is not None and not record.finished:
+                    record.finished = True
+                    record.put(message.error_type(message.message))
+        elif isinstance(message, MetricsReply):
+            with self._lock:
+                future = self._metrics_queries.pop(message.query_id, None)
+            # False when the caller was cancelled meanwhile; then nobody wants the answer.
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_result(message.metrics)
+        elif isinstance(message, CoreFailed):
+            with self._lock:
+                self._dead_error = EngineDeadError(f"the engine core failed: {message.message}")
+
+    def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
+        with self._lock:
+            outputs, stopped_ids = self._output_processor.process(core_outputs)
+            if stopped_ids:  # stop strings, found here by the detokenizer
+                self._abort_in_core(stopped_ids, RequestStatus.FINISHED_STOPPED)
+            for output in outputs:
+                record = self._requests.get(output.request_id)
+                if record is None or record.finished:
+                    continue
+                record.finished = output.finished
+                if not (record.stream or output.finished):
+                    continue
+                if output.metrics is not None:  # a copy: the processor keeps updating its own
+                    output.metrics = dataclasses.replace(
+                        output.metrics, preprocess_time=record.preprocess_time)
+                record.put(output)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._shut_down:
+                error = EngineDeadError("the engine was shut down; create a new AsyncLLM")
+            self._dead_error = self._dead_error or error
+            message = str(self._dead_error)
+            for request_id, record in self._requests.items():
+                self._output_processor.abort_requests([request_id])
+                if not record.finished:
+                    record.finished = True
+                    record.put(EngineDeadError(message))
+            queries, self._metrics_queries = self._metrics_queries, {}
+        for future in queries.values():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError(message))
+
+    def shutdown(self) -> None:
+        """Stop the core process and the preprocessing pool; idempotent."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        self._core.stop()
+        self._output_thread.join()
+        self._core.close()
+        self._pool.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.shutdown()

@@ -1,0 +1,128 @@
+"""Prompt -> engine Request in a pool of worker processes.
+
+Tokenizing, decoding images and patchifying them is CPU work that can take
+hundreds of milliseconds per large image; done here, a burst of images stalls
+neither the asyncio event loop nor the engine loop. Each worker builds its own
+InputProcessor from the EngineConfig and pickles the finished request once, so
+the API process forwards the pixel tensors to the core without touching them.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import multiprocessing
+import signal
+import threading
+import time
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from foveal.async_engine.messages import AddRequest, encode
+from foveal.config import EngineConfig
+from foveal.errors import ConfigError, InvalidRequestError
+from foveal.input_processor import InputProcessor, PromptType
+from foveal.sampling_params import SamplingParams
+
+
+@dataclass
+class PreprocessedRequest:
+    """What the API process needs of a processed request.
+
+    add_request_frame: the encoded AddRequest message for the engine core.
+    preprocess_time: wall seconds from submitting to the pool to the result.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # finalized: max_tokens and eos ids filled in
+    add_request_frame: bytes
+    preprocess_time: float = 0.0
+
+
+_worker_processor: InputProcessor | None = None
+
+
+def _build_processor(config: EngineConfig) -> InputProcessor:
+    from foveal.tokenizer import Tokenizer
+
+    return InputProcessor(config, Tokenizer.from_pretrained(config.model.path))
+
+
+def _init_worker(config: EngineConfig) -> None:
+    import torch
+
+    global _worker_processor
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process shuts the pool down
+    torch.set_num_threads(1)  # the pool's parallelism is its number of processes
+    _worker_processor = _build_processor(config)
+
+
+def _preprocess(processor: InputProcessor, request_id: str, prompt: PromptType,
+                params: SamplingParams) -> PreprocessedRequest:
+    request, text = processor.process(request_id, prompt, params)
+    return PreprocessedRequest(request_id, text, request.prompt_token_ids,
+                               request.sampling_params, encode(AddRequest(request)))
+
+
+def _preprocess_in_worker(request_id: str, prompt: PromptType,
+                          params: SamplingParams) -> PreprocessedRequest:
+    return _preprocess(_worker_processor, request_id, prompt, params)
+
+
+def _warm_up() -> None:
+    """Runs once per worker at start so the first requests do not pay the spawn."""
+
+
+class PreprocessPool:
+    """num_workers processes (spawned), or one in-process thread when 0."""
+
+    def __init__(self, config: EngineConfig, num_workers: int) -> None:
+        if num_workers < 0:
+            raise ConfigError(f"preprocess_workers={num_workers}; use 0 (an in-process "
+                              f"thread) or a positive number of worker processes")
+        self.config = config
+        self.num_workers = num_workers
+        self._lock = threading.Lock()
+        if num_workers == 0:
+            self._executor: Executor = ThreadPoolExecutor(1, "foveal-preprocess")
+            self._function = functools.partial(_preprocess, _build_processor(config))
+        else:
+            self._executor = self._start_processes()
+            self._function = _preprocess_in_worker
+
+    def _start_processes(self) -> ProcessPoolExecutor:
+        executor = ProcessPoolExecutor(
+            self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker, initargs=(self.config,))
+        for _ in range(self.num_workers):
+            executor.submit(_warm_up)
+        return executor
+
+    async def process(self, request_id: str, prompt: PromptType,
+                      params: SamplingParams) -> PreprocessedRequest:
+        """Raises the InvalidRequestError the InputProcessor raised."""
+        loop = asyncio.get_running_loop()
+        executor = self._executor
+        start = time.perf_counter()
+        try:
+            result = await loop.run_in_executor(executor, self._function, request_id,
+                                                prompt, params)
+        except BrokenProcessPool:
+            self._replace_broken(executor)
+            raise InvalidRequestError(
+                f"request {request_id!r}: a preprocessing worker process died while "
+                f"preparing it (malformed media or out of memory); check its inputs") from None
+        result.preprocess_time = time.perf_counter() - start
+        return result
+
+    def _replace_broken(self, broken: Executor) -> None:
+        with self._lock:
+            if self._executor is broken:
+                self._executor = self._start_processes()
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    def shutdown(self) -> None:
+        """Idempotent; waits for the worker processes to exit."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
