@@ -18,11 +18,15 @@ class LLM:
     >>> out = llm.generate({"prompt": ..., "multi_modal_data": {"image": img}})
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, *, stages: Any = None, **kwargs: Any) -> None:
+        """stages: preprocessing stage config (StagesConfig, or "ocr=2,asr=1");
+        pools start on the first request with a PDF, audio or OCR."""
         from foveal.llm_engine import LLMEngine
 
         self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
+        self._stages_config = stages
+        self._stage_pools = None
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -46,10 +50,20 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None,
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
-        """OpenAI-style messages (or a list of conversations) -> outputs."""
+        """OpenAI-style messages (or a list of conversations) -> outputs.
+
+        Content parts: text, image_url (data: URL or path), file (a PDF as a
+        data URL) and input_audio; PDFs and audio go through the preprocessing
+        stages first (options pdf_mode / ocr / transcribe_audio ride in
+        mm_processor_kwargs).
+        """
+        from foveal.stages.assembly import split_preprocess_options
+
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        preprocess_options, mm_processor_kwargs = split_preprocess_options(mm_processor_kwargs)
         prompts = []
         for conversation in conversations:
+            conversation = self._preprocess(conversation, preprocess_options)
             template_messages, images = parse_chat_messages(conversation)
             text = self.get_tokenizer().apply_chat_template(
                 template_messages, add_generation_prompt=add_generation_prompt,
@@ -63,7 +77,27 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_metrics(self) -> dict[str, float]:
-        return self.llm_engine.get_metrics()
+        metrics = self.llm_engine.get_metrics()
+        if self._stage_pools is not None:
+            metrics.update(self._stage_pools.get_metrics())
+        return metrics
+
+    def _preprocess(self, conversation: list[dict], options: dict) -> list[dict]:
+        from foveal.stages.assembly import expand_preprocessed_parts_sync, needs_stages
+
+        if not needs_stages(conversation, options):
+            return conversation
+        if self._stage_pools is None:
+            from foveal.stages.service import StagePools
+
+            self._stage_pools = StagePools(self._stages_config)
+        return expand_preprocessed_parts_sync(conversation, self._stage_pools, options)
+
+    def shutdown(self) -> None:
+        if self._stage_pools is not None:
+            self._stage_pools.close()
+            self._stage_pools = None
+        self.llm_engine.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """Used when generate()/chat() get none: the checkpoint's

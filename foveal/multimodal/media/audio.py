@@ -1,0 +1,123 @@
+"""Decode audio in any format PyAV reads into 16 kHz mono float32 samples.
+
+Sources: raw bytes, a filesystem path, a `file://` URL or a base64
+`data:audio/...` URL. `read_media_bytes` is the byte-level half, shared with
+the PDF loader: it turns any of those sources into the file's bytes.
+
+The duration limit is checked while decoding, so a long recording fails as
+soon as it passes the limit instead of after the whole file is in memory.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import pathlib
+import urllib.parse
+
+import numpy as np
+
+from foveal.errors import MediaError, MediaLimitError
+
+SAMPLE_RATE = 16_000
+
+MediaSource = bytes | bytearray | memoryview | pathlib.Path | str
+
+
+def load_audio(source: MediaSource, max_duration_s: float | None = None) -> np.ndarray:
+    """Return the first audio stream of `source` as float32 mono samples at 16 kHz, shape (N,)."""
+    data = read_media_bytes(source, ("audio/", "video/", "application/octet-stream"), "audio")
+    return decode_audio(data, max_duration_s)
+
+
+def decode_audio(data: bytes, max_duration_s: float | None = None) -> np.ndarray:
+    import av
+
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except (av.FFmpegError, ValueError) as exc:
+        raise MediaError(
+            f"could not open {len(data)} bytes as audio ({exc}); send WAV, MP3, FLAC, OGG, "
+            "M4A or WebM") from exc
+    with container:
+        if not container.streams.audio:
+            raise MediaError("the file has no audio stream")
+        try:
+            chunks = _decode_stream(container, max_duration_s)
+        except av.FFmpegError as exc:
+            raise MediaError(f"could not decode the audio ({exc}); the file is corrupt or truncated") from exc
+    if not chunks:
+        raise MediaError("the audio stream holds no samples")
+    return np.concatenate(chunks).astype(np.float32, copy=False)
+
+
+def _decode_stream(container, max_duration_s: float | None) -> list[np.ndarray]:
+    import av
+
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    max_samples = None if max_duration_s is None else int(max_duration_s * SAMPLE_RATE)
+    chunks: list[np.ndarray] = []
+    num_samples = 0
+    frames = container.decode(container.streams.audio[0])
+    for frame in [*frames, None]:  # None flushes the resampler
+        for out in resampler.resample(frame):
+            chunk = out.to_ndarray().reshape(-1)  # (1, n) packed mono -> (n,)
+            chunks.append(chunk)
+            num_samples += chunk.size
+            if max_samples is not None and num_samples > max_samples:
+                raise MediaLimitError(
+                    f"audio is longer than {max_duration_s:.0f} s; the limit is "
+                    f"{max_duration_s:.0f} s (--max-audio-seconds, or the asr stage option max_duration_s); "
+                    "send a shorter clip")
+    return chunks
+
+
+def read_media_bytes(source: MediaSource, mime_prefixes: tuple[str, ...], kind: str) -> bytes:
+    """The bytes of a media file given as bytes, a path, a file:// URL or a base64 data URL."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if isinstance(source, pathlib.Path):
+        return _read_path(source, kind)
+    if not isinstance(source, str):
+        raise MediaError(
+            f"cannot load {kind} from a {type(source).__name__}; pass bytes, a file path, "
+            f"a file:// URL or a base64 data URL")
+    scheme = source.split(":", 1)[0].lower() if ":" in source else ""
+    if scheme == "data":
+        return decode_data_url(source, mime_prefixes, kind)
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(source)
+        if parsed.netloc not in ("", "localhost"):
+            raise MediaError(f"file URL names host {parsed.netloc!r}; only local files are supported")
+        return _read_path(pathlib.Path(urllib.parse.unquote(parsed.path)), kind)
+    if scheme in ("http", "https"):
+        raise MediaError(f"http(s) {kind} URLs are fetched by the server; pass bytes, a path or a data URL")
+    return _read_path(pathlib.Path(source), kind)
+
+
+def decode_data_url(url: str, mime_prefixes: tuple[str, ...], kind: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    mime, *params = header[len("data:"):].split(";")
+    if not sep or not mime.lower().startswith(mime_prefixes):
+        raise MediaError(
+            f"data URL header {header[:64]!r} is not {kind}; expected one of "
+            f"{', '.join(p + '...' for p in mime_prefixes)}")
+    if "base64" not in (p.lower() for p in params):
+        raise MediaError(f"only base64 data URLs are supported: 'data:{mime_prefixes[0]}...;base64,<payload>'")
+    return decode_base64(payload, kind)
+
+
+def decode_base64(payload: str, kind: str) -> bytes:
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"{kind} payload is not valid base64 ({exc})") from exc
+
+
+def _read_path(path: pathlib.Path, kind: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise MediaError(f"{kind} file not found: {str(path)!r}") from exc
+    except OSError as exc:
+        raise MediaError(f"cannot read {kind} file {str(path)!r} ({exc.strerror or exc})") from exc
