@@ -131,3 +131,7 @@ def register(subparsers) -> None:
     throughput.add_argument("--json", metavar="OUT", help="write every number here")
     add_engine_args(throughput)
     throughput.set_defaults(func=run_bench_throughput)
+
+    from foveal.bench.serve import register_serve
+
+    register_serve(bench_commands)

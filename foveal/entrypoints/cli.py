@@ -12,8 +12,10 @@ from foveal.errors import FovealError
 _SUBCOMMANDS = (
     "foveal.entrypoints.demo",
     "foveal.entrypoints.offline",
+    "foveal.entrypoints.serve",
     "foveal.bench.cli",
     "foveal.loader.tiny_model",
+    "foveal.stages.cli",
 )
 
 

@@ -92,13 +92,13 @@ def _open_str(source: str, max_image_pixels: int) -> Image.Image:
             "path or a data: URL to the engine"
         )
     if scheme == "data":
-        return _open_bytes(_decode_data_url(source), max_image_pixels)
+        return _open_bytes(decode_data_url(source), max_image_pixels)
     if scheme == "file":
         return _open_path(_file_url_path(source), max_image_pixels)
     return _open_path(pathlib.Path(source), max_image_pixels)
 
 
-def _decode_data_url(url: str) -> bytes:
+def decode_data_url(url: str) -> bytes:
     header, sep, payload = url.partition(",")
     mime, *params = header[len("data:"):].split(";")
     if not sep or not mime.lower().startswith("image/"):

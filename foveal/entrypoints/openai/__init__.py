@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`foveal serve`): FastAPI app over AsyncLLM."""

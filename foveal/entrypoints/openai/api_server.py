@@ -1,0 +1,109 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, config)` wires the
+routes onto an engine with AsyncLLM's interface; `serve(engine, config, host,
+port)` runs it under uvicorn."""
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+import foveal
+from foveal.entrypoints.openai.errors import error_response, install_error_handlers
+from foveal.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from foveal.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                ModelCard, ModelList)
+from foveal.entrypoints.openai.serving_chat import OpenAIServingChat
+from foveal.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from foveal.entrypoints.openai.serving_engine import ServerConfig
+from foveal.multimodal.media.fetch import MediaFetcher
+
+# Reachable without the API key: load balancers and scrapers hold no secrets.
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def build_app(engine, config: ServerConfig, *, owns_engine: bool = False) -> FastAPI:
+    """owns_engine: shut the engine down with the app (several apps may share one)."""
+    fetcher = MediaFetcher(config.media)
+    metrics = ServerMetrics()
+    chat = OpenAIServingChat(engine, config, metrics, fetcher)
+    completion = OpenAIServingCompletion(engine, config, metrics, fetcher)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await fetcher.aclose()
+        if owns_engine:
+            engine.shutdown()
+
+    app = FastAPI(title="Foveal OpenAI-compatible server", version=foveal.__version__,
+                  lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest) -> Response:
+        return await chat.create(request)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest) -> Response:
+        return await completion.create(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        max_model_len = engine.engine_config.scheduler.max_model_len
+        cards = [ModelCard(id=name, root=config.model_path, max_model_len=max_model_len)
+                 for name in config.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    _add_service_routes(app, engine, metrics)
+    return app
+
+
+def _add_service_routes(app: FastAPI, engine, metrics: ServerMetrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if await engine.check_health():
+            return Response(status_code=200)
+        return error_response("the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(await metrics.render(engine), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": foveal.__version__})
+
+
+class APIKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware), so streamed responses pass untouched."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" \
+                or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            return await self.app(scope, receive, send)
+        response = error_response("missing or wrong API key; send 'Authorization: Bearer "
+                                  "<key>' with the key the server was started with (--api-key)",
+                                  HTTPStatus.UNAUTHORIZED)
+        await response(scope, receive, send)
+
+
+def serve(engine, config: ServerConfig, host: str, port: int) -> None:
+    """Blocks until interrupted. The engine stops in the app's shutdown: uvicorn
+    re-raises SIGINT/SIGTERM once it has stopped, so code after run() never runs."""
+    import uvicorn
+
+    app = build_app(engine, config, owns_engine=True)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)

@@ -1,0 +1,223 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests accept OpenAI's fields plus Foveal's extras (`ignore_eos`, `top_k`,
+`min_p`, `mm_processor_kwargs`); fields no endpoint uses are ignored, as
+OpenAI clients send many. Options Foveal cannot honour yet (n > 1, penalties,
+tools, response formats) fail with a message instead of being dropped.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from foveal.errors import InvalidRequestError, SamplingParamsError
+from foveal.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise SamplingParamsError(f"n={self.n} is not supported yet; use n=1 "
+                                      "(send several requests for several answers)")
+        if self.presence_penalty or self.frequency_penalty:
+            raise SamplingParamsError("presence_penalty and frequency_penalty are not "
+                                      "supported yet; leave them at 0")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream=true")
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self.check_supported()
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise InvalidRequestError("tools are not supported yet; remove 'tools'")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidRequestError("response_format other than 'text' is not supported yet")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs needs logprobs=true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self.to_sampling_params(max_tokens, logprobs)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidRequestError("echo=true is not supported yet; leave it false")
+        if self.best_of not in (None, 1):
+            raise SamplingParamsError(f"best_of={self.best_of} is not supported; use 1")
+        return self.to_sampling_params(self.max_tokens, self.logprobs)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    image_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _without_nulls(self) -> dict[str, str]:
+        # OpenAI's deltas carry only the fields that changed.
+        return {key: value for key, value in (("role", self.role), ("content", self.content))
+                if value is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "foveal"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,85 @@
+"""`foveal serve [MODEL]`: the OpenAI-compatible HTTP server over AsyncLLM.
+Without MODEL it serves the embedded tiny checkpoint (random weights, offline)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
+from foveal.errors import ConfigError
+
+DEFAULT_PRESET = "tiny-qwen2-vl"
+
+
+def _model_dir(model: str | None) -> str:
+    if model:
+        return model
+    from foveal.entrypoints.demo import default_cache_dir
+    from foveal.loader.tiny_model import ensure_tiny_checkpoint
+
+    return str(ensure_tiny_checkpoint(default_cache_dir() / DEFAULT_PRESET, DEFAULT_PRESET))
+
+
+def server_config(args: argparse.Namespace, model_dir: str):
+    """The API-side options (names, key, media fetching) from parsed flags."""
+    from foveal.entrypoints.openai.serving_engine import ServerConfig
+    from foveal.multimodal.media.fetch import MediaFetchConfig
+
+    if args.media_fetch_timeout <= 0 or args.max_media_bytes <= 0:
+        raise ConfigError("--media-fetch-timeout and --max-media-bytes must be > 0")
+    local_root = args.allowed_local_media_path
+    if local_root and not Path(local_root).is_dir():
+        raise ConfigError(f"--allowed-local-media-path {local_root!r} is not a folder")
+    names = tuple(args.served_model_name or [args.model or DEFAULT_PRESET])
+    media = MediaFetchConfig(timeout_s=args.media_fetch_timeout,
+                             max_bytes=args.max_media_bytes,
+                             allowed_local_media_path=local_root)
+    return ServerConfig(served_model_names=names, model_path=model_dir,
+                        api_key=args.api_key, media=media)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from foveal.async_engine import AsyncLLM
+    from foveal.engine_args import EngineArgs
+    from foveal.entrypoints.openai.api_server import serve
+
+    if args.preprocess_workers < 1 or args.max_pending_requests < 1:
+        raise ConfigError("--preprocess-workers and --max-pending-requests must be >= 1")
+    model_dir = _model_dir(args.model)
+    config = server_config(args, model_dir)
+    engine_args = EngineArgs.from_kwargs(model_dir, **engine_kwargs(args))
+    engine = AsyncLLM(engine_args, preprocess_workers=args.preprocess_workers,
+                      max_pending_requests=args.max_pending_requests)
+    serve(engine, config, args.host, args.port)
+    return 0
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    server.add_argument("--served-model-name", nargs="+",
+                        help="name(s) clients send as 'model' (default: MODEL as given)")
+    server.add_argument("--allowed-local-media-path", metavar="DIR",
+                        help="allow file:// image URLs under DIR (off by default)")
+    server.add_argument("--preprocess-workers", type=int, default=2,
+                        help="processes decoding and resizing media")
+    server.add_argument("--max-pending-requests", type=int, default=256,
+                        help="requests queued before the server answers 503")
+    server.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                        help="seconds to fetch one image URL")
+    server.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024,
+                        help="largest image a client may send or name, in bytes")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server",
+        description="Serve MODEL (a Hugging Face checkpoint folder) over the OpenAI API: "
+                    "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
+                    "Without MODEL, serves the embedded tiny random-weight checkpoint.")
+    parser.add_argument("model", nargs="?", help="checkpoint folder (default: tiny demo)")
+    add_server_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(func=run_serve)
