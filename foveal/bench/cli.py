@@ -38,7 +38,7 @@ def _workload_spec(args: argparse.Namespace):
     return WorkloadSpec(num_prompts=args.num_prompts, images_per_prompt=args.images_per_prompt,
                         image_size=parse_image_size(args.image_size), input_len=args.input_len,
                         output_len=args.output_len, output_len_range=args.output_len_range,
-                        seed=args.seed)
+                        seed=args.seed, image_size_range=args.image_size_range)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -100,7 +100,9 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-prompts", type=int, default=32)
     group.add_argument("--images-per-prompt", type=int, default=1)
     group.add_argument("--image-size", default="448x448",
-                       help="WIDTHxHEIGHT; each side varies uniformly in [0.75, 1.25]x")
+                       help="WIDTHxHEIGHT the image sizes vary around")
+    group.add_argument("--image-size-range", type=float, default=0.25,
+                       help="R: each side uniform in [side*(1-R), side*(1+R)]; 0 = exact size")
     group.add_argument("--input-len", type=int, default=64,
                        help="random text tokens per prompt, besides image placeholders")
     group.add_argument("--output-len", type=int, default=64)

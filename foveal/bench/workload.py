@@ -20,7 +20,6 @@ from PIL import Image
 from foveal.errors import CheckpointError, ConfigError
 
 # Each image side is drawn uniformly from [LOW, HIGH] x the requested side.
-IMAGE_SIDE_JITTER = (0.75, 1.25)
 WARMUP_IMAGE_SIDE = 56
 
 
@@ -73,6 +72,7 @@ class WorkloadSpec:
     output_len: int
     output_len_range: float  # R: output lengths uniform in [out*(1-R), out*(1+R)]
     seed: int = 0
+    image_size_range: float = 0.25  # each image side uniform in [side*(1-R), side*(1+R)]
 
     def __post_init__(self) -> None:
         checks = [
@@ -84,6 +84,8 @@ class WorkloadSpec:
             (self.output_len >= 1, f"--output-len must be >= 1, got {self.output_len}"),
             (0 <= self.output_len_range < 1,
              f"--output-len-range must be in [0, 1), got {self.output_len_range}"),
+            (0 <= self.image_size_range < 1,
+             f"--image-size-range must be in [0, 1), got {self.image_size_range}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -96,7 +98,7 @@ class WorkloadSpec:
 
     def image_side_bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """((min_w, max_w), (min_h, max_h)), inclusive."""
-        low, high = IMAGE_SIDE_JITTER
+        low, high = 1 - self.image_size_range, 1 + self.image_size_range
         return tuple((max(1, round(side * low)), max(1, round(side * high)))  # type: ignore[return-value]
                      for side in self.image_size)
 
