@@ -74,6 +74,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Encoder cache capacity, in embedding rows (visual tokens).
     encoder_cache_size: int = 16384
+    # Second tier for evicted prefix-cache blocks: None | "cpu" (RAM) | "disk".
+    kv_offload: str | None = None
+    kv_offload_bytes: int = 1 << 30
+    kv_offload_path: str | None = None  # folder for "disk"
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class MultimodalConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
     max_image_pixels: int = 50_000_000
     mm_processor_kwargs: dict = field(default_factory=dict)
+    # Byte cap of the processed-media cache (pixel tensors); 0 turns it off.
+    processor_cache_size: int = 256 << 20
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     mm_processor_kwargs: dict = field(default_factory=dict)
     max_image_pixels: int = 50_000_000
+    processor_cache_size: int = 256 << 20
+    kv_offload: str | None = None
+    kv_offload_bytes: int = 1 << 30
+    kv_offload_path: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -52,6 +56,7 @@ class EngineArgs:
             raise ConfigError(
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={model_config.text.max_position_embeddings}")
+        self._check_cache_options()
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
         return EngineConfig(
             model=model_config,
@@ -59,16 +64,40 @@ class EngineArgs:
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               enable_prefix_caching=self.enable_prefix_caching,
-                              encoder_cache_size=self.encoder_cache_size),
+                              encoder_cache_size=self.encoder_cache_size,
+                              kv_offload=self.kv_offload, kv_offload_bytes=self.kv_offload_bytes,
+                              kv_offload_path=self.kv_offload_path),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       encoder_compute_budget=self.encoder_compute_budget),
             multimodal=MultimodalConfig(limit_mm_per_prompt=limits,
                                         max_image_pixels=self.max_image_pixels,
-                                        mm_processor_kwargs=dict(self.mm_processor_kwargs)),
+                                        mm_processor_kwargs=dict(self.mm_processor_kwargs),
+                                        processor_cache_size=self.processor_cache_size),
             dtype=resolve_dtype(self.dtype, device),
             device=device,
             load_format=self.load_format,
             seed=self.seed,
         )
+
+    def _check_cache_options(self) -> None:
+        from foveal.worker.kv_offload import BLOCK_STORES
+
+        if self.processor_cache_size < 0:
+            raise ConfigError(f"processor_cache_size={self.processor_cache_size}; use bytes >= 0 "
+                              "(0 turns the processor cache off)")
+        if self.kv_offload is None:
+            return
+        if self.kv_offload not in BLOCK_STORES:
+            raise ConfigError(f"kv_offload={self.kv_offload!r}; use one of {sorted(BLOCK_STORES)} "
+                              "or leave it unset")
+        if not self.enable_prefix_caching:
+            raise ConfigError("kv_offload keeps evicted prefix-cache blocks, so it needs "
+                              "enable_prefix_caching=True (drop --no-enable-prefix-caching)")
+        if self.kv_offload_bytes <= 0:
+            raise ConfigError(f"kv_offload_bytes={self.kv_offload_bytes}; give the tier a positive "
+                              "size (--kv-offload-bytes)")
+        if self.kv_offload == "disk" and not self.kv_offload_path:
+            raise ConfigError("kv_offload='disk' needs a folder: set kv_offload_path "
+                              "(--kv-offload-path)")

@@ -7,7 +7,7 @@ from foveal.engine.output import RequestOutput
 from foveal.engine_args import EngineArgs
 from foveal.errors import InvalidRequestError
 from foveal.input_processor import PromptType
-from foveal.multimodal.chat import parse_chat_messages
+from foveal.multimodal.chat import parse_chat_conversation
 from foveal.sampling_params import SamplingParams
 
 
@@ -27,6 +27,7 @@ class LLM:
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._stages_config = stages
         self._stage_pools = None
+        self._mm_plans: dict[str, list] = {}
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -64,13 +65,13 @@ class LLM:
         prompts = []
         for conversation in conversations:
             conversation = self._preprocess(conversation, preprocess_options)
-            template_messages, images = parse_chat_messages(conversation)
+            parsed = parse_chat_conversation(conversation)
             text = self.get_tokenizer().apply_chat_template(
-                template_messages, add_generation_prompt=add_generation_prompt,
+                parsed.messages, add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}))
             prompt: dict[str, Any] = {"prompt": text}
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
+            if parsed.images or parsed.videos:
+                prompt["multi_modal_data"] = parsed.multi_modal_data()
             if mm_processor_kwargs:
                 prompt["mm_processor_kwargs"] = mm_processor_kwargs
             prompts.append(prompt)
@@ -121,17 +122,19 @@ class LLM:
         processed = []
         for index, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                request, text = engine.input_processor.process(engine.new_request_id(), prompt, sp)
-                engine.core.scheduler.check_request(request)
-                processed.append((request, text))
+                item = engine.input_processor.process(engine.new_request_id(), prompt, sp)
+                engine.core.scheduler.check_request(item.request)
+                processed.append(item)
             except InvalidRequestError as error:
                 raise type(error)(f"prompt {index}: {error}") from error
-        for request, text in processed:
+        for item in processed:
+            request = item.request
             engine.core.add_request(request)
-            engine.output_processor.add_request(request.request_id, text,
+            engine.output_processor.add_request(request.request_id, item.text,
                                                 request.prompt_token_ids,
                                                 request.sampling_params, request.arrival_time)
-        return [request.request_id for request, _ in processed]
+            self._mm_plans[request.request_id] = item.mm_plan
+        return [item.request.request_id for item in processed]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
@@ -142,6 +145,7 @@ class LLM:
             while self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
                     if output.finished:
+                        output.mm_plan = self._mm_plans.pop(output.request_id, [])
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]

@@ -32,10 +32,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         """Validate and enqueue; raises InvalidRequestError and holds nothing on failure."""
-        request, text = self.input_processor.process(request_id, prompt, params)
-        self.core.add_request(request)
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids,
-                                          request.sampling_params, request.arrival_time)
+        processed = self.input_processor.process(request_id, prompt, params)
+        self.core.add_request(processed.request)
+        self.output_processor.add_request(request_id, processed.text,
+                                          processed.request.prompt_token_ids,
+                                          processed.request.sampling_params,
+                                          processed.request.arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
@@ -51,7 +53,7 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def get_metrics(self) -> dict[str, Any]:
-        return self.core.get_stats()
+        return {**self.core.get_stats(), **self.input_processor.get_metrics()}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

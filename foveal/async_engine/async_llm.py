@@ -47,6 +47,7 @@ class _RequestStream:
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     preprocess_time: float | None = None
+    mm_plan: list | None = None
     in_core: bool = False
     finished: bool = False
 
@@ -137,6 +138,7 @@ class AsyncLLM:
             self._raise_if_dead()
             record.prompt, record.prompt_token_ids = processed.prompt, processed.prompt_token_ids
             record.preprocess_time = processed.preprocess_time
+            record.mm_plan = processed.mm_plan
             self._output_processor.add_request(
                 request_id, processed.prompt, processed.prompt_token_ids,
                 processed.sampling_params, record.arrival_time, stream_delta=record.stream)
@@ -248,6 +250,7 @@ class AsyncLLM:
                 if output.metrics is not None:  # a copy: the processor keeps updating its own
                     output.metrics = dataclasses.replace(
                         output.metrics, preprocess_time=record.preprocess_time)
+                output.mm_plan = record.mm_plan
                 record.put(output)
 
     def _fail_all(self, error: EngineDeadError) -> None:

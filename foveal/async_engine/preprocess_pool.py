@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from foveal.async_engine.messages import AddRequest, encode
 from foveal.config import EngineConfig
@@ -39,6 +39,7 @@ class PreprocessedRequest:
     sampling_params: SamplingParams  # finalized: max_tokens and eos ids filled in
     add_request_frame: bytes
     preprocess_time: float = 0.0
+    mm_plan: list = field(default_factory=list)
 
 
 _worker_processor: InputProcessor | None = None
@@ -61,9 +62,11 @@ def _init_worker(config: EngineConfig) -> None:
 
 def _preprocess(processor: InputProcessor, request_id: str, prompt: PromptType,
                 params: SamplingParams) -> PreprocessedRequest:
-    request, text = processor.process(request_id, prompt, params)
-    return PreprocessedRequest(request_id, text, request.prompt_token_ids,
-                               request.sampling_params, encode(AddRequest(request)))
+    processed = processor.process(request_id, prompt, params)
+    request = processed.request
+    return PreprocessedRequest(request_id, processed.text, request.prompt_token_ids,
+                               request.sampling_params, encode(AddRequest(request)),
+                               mm_plan=processed.mm_plan)
 
 
 def _preprocess_in_worker(request_id: str, prompt: PromptType,

@@ -137,3 +137,8 @@ def register(subparsers) -> None:
     from foveal.bench.serve import register_serve
 
     register_serve(bench_commands)
+    from foveal.bench.multiturn import register_multiturn
+    register_multiturn(bench_commands)
+    from foveal.bench.stages import register_stages
+
+    register_stages(bench_commands)

@@ -5,8 +5,12 @@ registered under its prefix hash, sha256(parent hash, token ids, extra keys),
 where the extra keys name every media item overlapping the block as
 (mm_hash, block start - item offset) — so two different images behind the same
 placeholder token ids never share KV — plus the request's cache_salt for the
-first block. Freed blocks keep their hash and stay hittable until the pool
-reuses them: the free list is LRU, the least recently freed block goes first.
+first block (so tenants with different salts never share KV). Only full
+blocks are hashed. Freed blocks keep their hash and stay hittable until the
+pool reuses them: the free list is LRU, the least recently freed block goes
+first. With an offload connector (foveal/engine/kv_offload.py) a reused hashed
+block is offered to a second tier, and a hash the tier holds is a hit too: it
+gets a fresh block that the workers fill before the forward.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import hashlib
 from collections import OrderedDict
 from typing import Sequence
 
+from foveal.engine.kv_offload import KVConnector
 from foveal.engine.request import Request
 
 
@@ -38,10 +43,12 @@ def block_extra_keys(request: Request, start: int, end: int) -> tuple:
 class KVCacheManager:
     """Owns which request holds which KV block; never touches tensors."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 offload: KVConnector | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = offload if enable_prefix_caching else None
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[bytes | None] = [None] * num_blocks
         # Free blocks, LRU first; hashed ones are still prefix-cache hits.
@@ -73,7 +80,9 @@ class KVCacheManager:
         """Longest cached prefix of a request that holds no blocks yet.
 
         Capped so at least one token is left to compute: the last known token
-        must run through the model to give logits. Returns (block ids, tokens).
+        must run through the model to give logits. Returns (block ids in the
+        pool, tokens); the tokens include blocks the offload tier holds next,
+        which allocate_slots loads into fresh blocks.
         """
         if not self.enable_prefix_caching or request.request_id in self._tables:
             return [], 0
@@ -85,30 +94,41 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits, len(hits) * self.block_size
+        num_offloaded = len(self._offloaded_prefix(request, len(hits)))
+        return hits, (len(hits) + num_offloaded) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
     ) -> list[int] | None:
         """Grow the request's table to hold num_new_tokens more tokens.
 
-        computed_blocks (from get_computed_blocks) is only for a request with
-        no blocks and num_computed_tokens == 0. Returns the block ids appended
-        to the table, or None — allocating nothing — if the pool is too small.
+        computed_blocks (from get_computed_blocks, called just before) is only
+        for a request with no blocks and num_computed_tokens == 0; the offload
+        tier's part of that hit is loaded into the first new blocks. Returns the
+        block ids appended to the table, or None — allocating nothing — if the
+        pool is too small.
         """
         table = self._tables.get(request.request_id, [])
         computed = computed_blocks or []
-        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        offloaded = [] if computed_blocks is None else self._offloaded_prefix(request, len(computed))
+        num_hit_blocks = len(computed) + len(offloaded)
+        num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
         num_new_blocks = max(0, self.blocks_needed(num_tokens) - len(table) - len(computed))
         num_free_hits = sum(1 for b in computed if self._ref_counts[b] == 0)
         if num_new_blocks > len(self._free) - num_free_hits:
             return None
         for block_id in computed:
             self._take_cached(block_id)
+        if offloaded:
+            self.offload.pin(offloaded)
         new_blocks = computed + [self._take_free() for _ in range(num_new_blocks)]
+        for block_hash, block_id in zip(offloaded, new_blocks[len(computed):]):
+            self.offload.load(block_hash, block_id)
+            self._block_hashes[block_id] = block_hash
+            self._cached[block_hash] = block_id
         self._tables[request.request_id] = table + new_blocks
-        if computed:
-            self._num_registered[request.request_id] = len(computed)
+        if num_hit_blocks:
+            self._num_registered[request.request_id] = num_hit_blocks
         return new_blocks
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -151,9 +171,23 @@ class KVCacheManager:
         if block_hash is not None:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
+                if self.offload is not None:
+                    self.offload.on_evict(block_hash, block_id)
             self._block_hashes[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id
+
+    def _offloaded_prefix(self, request: Request, start: int) -> list[bytes]:
+        """Hashes after the first `start` blocks that the tier (not the pool) holds."""
+        if self.offload is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes: list[bytes] = []
+        for block_hash in request.block_hashes[start:max_blocks]:
+            if block_hash in self._cached or not self.offload.contains(block_hash):
+                break
+            hashes.append(block_hash)
+        return hashes
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes

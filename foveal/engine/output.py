@@ -58,6 +58,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # The downsampling planner's choice per media item, in prompt order
+    # (foveal.multimodal.budget.ItemPlan: modality, max_pixels, num_frames, num_tokens, detail).
+    mm_plan: list | None = None
 
 
 class IncrementalDetokenizer:

@@ -37,6 +37,24 @@ class CachedRequestData:
 
 
 @dataclass
+class KVTransferPlan:
+    """Block copies between the KV pool and a second tier (offload, or a remote
+    peer for disaggregation), keyed by block hash (sha256 hex).
+
+    Workers apply them before the step's forward, in this order: saves (pool
+    block -> tier), loads (tier -> pool block), drops (tier entries deleted).
+    A save reads a block before a load or the forward overwrites it.
+    """
+
+    saves: list[tuple[str, int]] = field(default_factory=list)  # (block hash, block id)
+    loads: list[tuple[str, int]] = field(default_factory=list)  # (block hash, block id)
+    drops: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.drops)
+
+
+@dataclass
 class StepPlan:
     """One engine step.
 
@@ -48,6 +66,7 @@ class StepPlan:
     freed_mm_hashes: encoder-cache entries the workers may drop.
     finished_request_ids: requests that ended since the last step (finished or
         aborted); workers drop their state.
+    kv_transfer: block copies to and from the KV offload tier, or None.
     """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -56,6 +75,7 @@ class StepPlan:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     freed_mm_hashes: list[str] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
+    kv_transfer: KVTransferPlan | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from foveal.config import CacheConfig, SchedulerConfig
 from foveal.engine.encoder_budget import EncoderBudget
 from foveal.engine.kv_manager import KVCacheManager
+from foveal.engine.kv_offload import OffloadTier
 from foveal.engine.plan import CachedRequestData, ModelRunnerOutput, NewRequestData, StepPlan
 from foveal.engine.request import EngineCoreOutput, Request, RequestStatus
 from foveal.engine.stats import SchedulerStats
@@ -48,10 +49,13 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int):
+                 num_blocks: int, block_bytes: int = 0):
+        """block_bytes: KV bytes of one block (all layers), sizes the offload tier."""
         self.config = scheduler_config
+        self.offload = (OffloadTier(cache_config.kv_offload_bytes // max(block_bytes, 1),
+                                    block_bytes) if cache_config.kv_offload else None)
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching, self.offload)
         self.encoder = EncoderBudget(cache_config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -110,6 +114,10 @@ class Scheduler:
         return bool(self.requests)
 
     def get_stats(self) -> dict:
+        if self.offload is not None:
+            self.stats.kv_offload_hits = self.offload.num_hits
+            self.stats.kv_offload_saves = self.offload.num_saves
+            self.stats.kv_offload_bytes = self.offload.num_bytes_stored
         return self.stats.as_dict(len(self.running), len(self.waiting), self.kv.usage)
 
     def schedule(self) -> StepPlan:
@@ -121,6 +129,10 @@ class Scheduler:
         if not budget.preempted:
             self._schedule_waiting(plan, budget)
         plan.freed_mm_hashes = self.encoder.take_freed()
+        if self.offload is not None and not plan.is_empty:
+            # Copies wait for a plan the workers run; no forward overwrites a
+            # block in between, so a late save still reads the evicted KV.
+            plan.kv_transfer = self.offload.take_transfers() or None
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
@@ -212,12 +224,15 @@ class Scheduler:
             if placeholder.end <= start or self.encoder.holds(request.request_id,
                                                               feature.mm_hash):
                 continue
-            if not self.encoder.has(feature.mm_hash):
+            cached = self.encoder.has(feature.mm_hash)
+            if not cached:
                 if not self.encoder.can_allocate(feature, budget.encoder_tokens_left):
                     return max(0, placeholder.offset - start), to_encode
                 budget.encoder_tokens_left -= feature.num_encoder_tokens
                 to_encode.append(index)
             self.encoder.allocate(request.request_id, feature)
+            self.stats.encoder_cache_queries += 1
+            self.stats.encoder_cache_hits += cached
         return num_new, to_encode
 
     def _record(self, plan: StepPlan, budget: _StepBudget, request: Request, num_new: int,

@@ -14,6 +14,11 @@ class SchedulerStats:
     encoder_items: int = 0
     prefix_cache_queries: int = 0  # tokens looked up at admission
     prefix_cache_hits: int = 0  # tokens found
+    encoder_cache_queries: int = 0  # media items a scheduled window needed
+    encoder_cache_hits: int = 0  # of those, already encoded
+    kv_offload_hits: int = 0  # blocks loaded back from the offload tier
+    kv_offload_saves: int = 0  # blocks copied into it
+    kv_offload_bytes: int = 0  # gauge: bytes it holds
     num_preemptions: int = 0
     finished: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(FINISH_REASONS.values(), 0))
@@ -26,6 +31,11 @@ class SchedulerStats:
             "foveal:encoder_items_total": self.encoder_items,
             "foveal:prefix_cache_queries_total": self.prefix_cache_queries,
             "foveal:prefix_cache_hits_total": self.prefix_cache_hits,
+            "foveal:encoder_cache_queries_total": self.encoder_cache_queries,
+            "foveal:encoder_cache_hits_total": self.encoder_cache_hits,
+            "foveal:kv_offload_hits_total": self.kv_offload_hits,
+            "foveal:kv_offload_saves_total": self.kv_offload_saves,
+            "foveal:kv_offload_bytes": self.kv_offload_bytes,
             "foveal:num_preemptions_total": self.num_preemptions,
             "foveal:kv_cache_usage_perc": kv_cache_usage,
             "foveal:num_requests_running": num_running,

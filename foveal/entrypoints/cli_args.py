@@ -58,12 +58,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='processor overrides, e.g. \'{"max_pixels": 401408}\'')
     group.add_argument("--max-image-pixels", type=int, default=50_000_000,
                        help="reject decoded images larger than this")
+    group.add_argument("--processor-cache-size", type=int, default=256 << 20,
+                       help="bytes of processed media (pixel tensors) kept for repeats; 0: off")
+    group.add_argument("--kv-offload", choices=["cpu", "disk"],
+                       help="keep evicted prefix-cache KV blocks in RAM or on disk")
+    group.add_argument("--kv-offload-bytes", type=int, default=1 << 30,
+                       help="size of the KV offload tier")
+    group.add_argument("--kv-offload-path", help="folder for --kv-offload disk")
 
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "load_format",
                 "encoder_cache_size", "encoder_compute_budget",
-                "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels")
+                "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
+                "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """`foveal serve [MODEL]`: the OpenAI-compatible HTTP server over AsyncLLM.
-Without MODEL it serves the embedded tiny checkpoint (random weights, offline)."""
+Without MODEL it serves the embedded tiny checkpoint (random weights, offline).
+Besides the engine flags: server flags (names, key, media fetching, the default
+visual-token budget) and the preprocessing stage flags (--stage-workers, ...)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +9,7 @@ from pathlib import Path
 
 from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
 from foveal.errors import ConfigError
+from foveal.stages.cli import add_engine_stage_args, stages_config_from_args
 
 DEFAULT_PRESET = "tiny-qwen2-vl"
 
@@ -21,7 +24,7 @@ def _model_dir(model: str | None) -> str:
 
 
 def server_config(args: argparse.Namespace, model_dir: str):
-    """The API-side options (names, key, media fetching) from parsed flags."""
+    """The API-side options (names, key, media fetching, stages) from parsed flags."""
     from foveal.entrypoints.openai.serving_engine import ServerConfig
     from foveal.multimodal.media.fetch import MediaFetchConfig
 
@@ -35,7 +38,19 @@ def server_config(args: argparse.Namespace, model_dir: str):
                              max_bytes=args.max_media_bytes,
                              allowed_local_media_path=local_root)
     return ServerConfig(served_model_names=names, model_path=model_dir,
-                        api_key=args.api_key, media=media)
+                        api_key=args.api_key, media=media, stages=stages_config_from_args(args))
+
+
+def serve_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine flags, with --max-visual-tokens as the default planner budget
+    (a request's mm_processor_kwargs.max_visual_tokens overrides it)."""
+    kwargs = engine_kwargs(args)
+    if args.max_visual_tokens is not None:
+        if args.max_visual_tokens < 1:
+            raise ConfigError(f"--max-visual-tokens {args.max_visual_tokens}: must be >= 1")
+        kwargs["mm_processor_kwargs"] = {**kwargs["mm_processor_kwargs"],
+                                         "max_visual_tokens": args.max_visual_tokens}
+    return kwargs
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -47,7 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--preprocess-workers and --max-pending-requests must be >= 1")
     model_dir = _model_dir(args.model)
     config = server_config(args, model_dir)
-    engine_args = EngineArgs.from_kwargs(model_dir, **engine_kwargs(args))
+    engine_args = EngineArgs.from_kwargs(model_dir, **serve_engine_kwargs(args))
     engine = AsyncLLM(engine_args, preprocess_workers=args.preprocess_workers,
                       max_pending_requests=args.max_pending_requests)
     serve(engine, config, args.host, args.port)
@@ -62,15 +77,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--served-model-name", nargs="+",
                         help="name(s) clients send as 'model' (default: MODEL as given)")
     server.add_argument("--allowed-local-media-path", metavar="DIR",
-                        help="allow file:// image URLs under DIR (off by default)")
+                        help="allow file:// image and video URLs under DIR (off by default)")
     server.add_argument("--preprocess-workers", type=int, default=2,
                         help="processes decoding and resizing media")
     server.add_argument("--max-pending-requests", type=int, default=256,
                         help="requests queued before the server answers 503")
     server.add_argument("--media-fetch-timeout", type=float, default=10.0,
-                        help="seconds to fetch one image URL")
+                        help="seconds to fetch one image or video URL")
     server.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024,
-                        help="largest image a client may send or name, in bytes")
+                        help="largest image or video a client may send or name, in bytes")
+    server.add_argument("--max-visual-tokens", type=int,
+                        help="default visual-token budget per request: images and videos are "
+                             "downsampled to fit (per request: mm_processor_kwargs)")
 
 
 def register(subparsers) -> None:
@@ -82,4 +100,5 @@ def register(subparsers) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint folder (default: tiny demo)")
     add_server_args(parser)
     add_engine_args(parser)
+    add_engine_stage_args(parser.add_argument_group("preprocessing stages (PDF, OCR, ASR)"))
     parser.set_defaults(func=run_serve)

@@ -23,8 +23,26 @@ def _grid(feature: MMFeature) -> tuple[int, int, int]:
     return t, h, w
 
 
+# Which data key holds an item's patches, per modality.
+_PIXEL_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
+
+
+def _pixels(feature: MMFeature) -> torch.Tensor:
+    return torch.as_tensor(feature.data[_PIXEL_KEYS[feature.modality]])  # (N, C*T*P*P)
+
+
+def _time_interval(config: ModelConfig, feature: MMFeature) -> torch.Tensor | float:
+    """Temporal position step per temporal patch: Qwen2.5-VL spaces a video's
+    patches by seconds (second_per_grid_t * tokens_per_second, float32 as in
+    transformers); images and Qwen2-VL videos step by one."""
+    if feature.modality != "video" or not config.vision.tokens_per_second:
+        return 1.0
+    seconds = torch.tensor(float(feature.data["second_per_grid_t"]), dtype=torch.float32)
+    return config.vision.tokens_per_second * seconds
+
+
 def _vision_positions(grid: tuple[int, int, int], merge_size: int, start: int,
-                      time_interval: float) -> torch.Tensor:
+                      time_interval: torch.Tensor | float) -> torch.Tensor:
     """(3, t*h*w/m^2) t/h/w position ids of one item's visual tokens."""
     t, h, w = grid[0], grid[1] // merge_size, grid[2] // merge_size
     temporal = (torch.arange(t) * time_interval).long() + start
@@ -82,7 +100,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                     f"{feature.modality} grid {_grid(feature)} gives {size} visual tokens but its "
                     f"placeholder holds {feature.placeholder.length}; re-run the processor")
         device = self.lm_head.weight.device
-        pixels = torch.cat([torch.as_tensor(f.data["pixel_values"]) for f in features]).to(device)
+        pixels = torch.cat([_pixels(f) for f in features]).to(device)  # (N, C*T*P*P)
         return list(self.visual(pixels, grids).split(sizes))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -109,10 +127,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             spans.append(torch.arange(text_len).expand(3, -1) + next_pos)
             next_pos += text_len
             grid = _grid(feature)
-            interval = 1.0
-            if feature.modality == "video" and config.vision.tokens_per_second:
-                interval = config.vision.tokens_per_second * float(feature.data.get("second_per_grid_t", 1.0))
-            vision = _vision_positions(grid, merge, next_pos, interval)
+            vision = _vision_positions(grid, merge, next_pos, _time_interval(config, feature))
             if vision.shape[1] != feature.placeholder.length:
                 raise PlaceholderMismatchError(
                     f"{feature.modality} grid {grid} gives {vision.shape[1]} visual tokens but its "

@@ -6,7 +6,9 @@ from foveal.engine.core import EngineCore
 from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
 from foveal.worker.device import torch_dtype
-from foveal.worker.kv_cache import allocate_kv_caches, available_kv_memory, num_blocks_for
+from foveal.worker.kv_cache import (allocate_kv_caches, available_kv_memory,
+                                    kv_cache_bytes_per_block, num_blocks_for)
+from foveal.worker.kv_offload import KVOffloadWorker
 from foveal.worker.model_runner import ModelRunner
 
 
@@ -24,10 +26,13 @@ class UniProcExecutor:
         memory_bytes = available_kv_memory(engine_config.cache, engine_config.device)
         self.num_blocks = num_blocks_for(memory_bytes, model_config, block_size, dtype,
                                          engine_config.scheduler.max_model_len)
+        self.block_bytes = kv_cache_bytes_per_block(model_config, block_size, dtype)
         kv_caches = allocate_kv_caches(self.num_blocks, block_size, model_config, dtype,
                                        engine_config.device)
+        kv_offload = (KVOffloadWorker.from_config(engine_config.cache, kv_caches)
+                      if engine_config.cache.kv_offload else None)
         self.model_runner: ModelRunner | None = ModelRunner(
-            engine_config, model, kv_caches, block_size)
+            engine_config, model, kv_caches, block_size, kv_offload)
 
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
         if self.model_runner is None:
@@ -44,5 +49,6 @@ def build_engine_core(engine_config: EngineConfig) -> EngineCore:
     from foveal.engine.scheduler import Scheduler
 
     executor = UniProcExecutor(engine_config)
-    scheduler = Scheduler(engine_config.scheduler, engine_config.cache, executor.num_blocks)
+    scheduler = Scheduler(engine_config.scheduler, engine_config.cache, executor.num_blocks,
+                          executor.block_bytes)
     return EngineCore(scheduler, executor)

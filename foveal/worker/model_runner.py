@@ -20,6 +20,7 @@ from foveal.forward_context import AttentionMetadata, forward_context
 from foveal.multimodal.inputs import MMFeature
 from foveal.sampling_params import SamplingParams
 from foveal.worker.encoder_runner import EncoderCache
+from foveal.worker.kv_offload import KVOffloadWorker
 from foveal.worker.sampler import Sampler, request_generator
 
 
@@ -59,7 +60,8 @@ class Batch:
 
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model: torch.nn.Module,
-                 kv_caches: list[torch.Tensor], block_size: int) -> None:
+                 kv_caches: list[torch.Tensor], block_size: int,
+                 kv_offload: KVOffloadWorker | None = None) -> None:
         self.config = engine_config
         self.model = model
         self.kv_caches = kv_caches
@@ -67,12 +69,15 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         self.requests: dict[str, RequestState] = {}
         self.encoder_cache = EncoderCache()
+        self.kv_offload = kv_offload
         self.sampler = Sampler(engine_config.seed, self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
         self._update_states(plan)
         self.encoder_cache.drop(plan.freed_mm_hashes)
+        if plan.kv_transfer:
+            self.kv_offload.apply(plan.kv_transfer)  # before the forward reads or overwrites
         encoded = self.encoder_cache.encode(self.model, [
             (request_id, self.requests[request_id].mm_features[index])
             for request_id, indices in plan.scheduled_encoder_inputs.items()

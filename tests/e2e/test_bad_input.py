@@ -56,6 +56,9 @@ BAD_PROMPTS = [
     ("placeholders_without_images", lambda: {"prompt": PAD + "x"}, PlaceholderMismatchError,
      "<|image_pad|>"),
     ("unsupported_mode", lambda: _image_prompt(Image.new("LAB", (32, 32))), MediaError, "LAB"),
+    ("token_id_outside_vocabulary", lambda: {"prompt_token_ids": [5, 10 ** 8]},
+     InvalidRequestError, "outside the vocabulary"),
+    ("empty_prompt", lambda: {"prompt_token_ids": []}, InvalidRequestError, "empty"),
 ]
 
 
@@ -78,9 +81,9 @@ def test_request_that_fails_in_the_encoder_fails_alone_and_frees_its_blocks(llm)
     engine = llm.llm_engine
     requests = []
     for index in range(3):
-        request, text = engine.input_processor.process(
+        processed = engine.input_processor.process(
             f"midflight-{index}", _image_prompt(_png_bytes(56 + 28 * index, 56)), PARAMS)
-        requests.append((request, text))
+        requests.append((processed.request, processed.text))
     broken = requests[1][0].mm_features[0]
     broken.data["pixel_values"] = broken.data["pixel_values"][:3]  # rows no longer match grid
     for request, text in requests:

@@ -139,3 +139,24 @@ def test_default_sampling_params_come_from_generation_config(llm, tmp_path):
     assert default_sampling_overrides(str(tmp_path)) == {"temperature": 0.7, "top_p": 0.8,
                                                          "top_k": 20}
     assert default_sampling_overrides(str(tmp_path / "missing")) == {}
+
+
+def test_chat_reports_the_visual_token_plan_per_item(llm):
+    low = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(448, 448), "detail": "low"}},
+        {"type": "image_url", "image_url": {"url": _data_url(448, 448), "detail": "high"}},
+        {"type": "text", "text": "Compare."}]}]
+    out = llm.chat(low, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert [p.detail for p in out.mm_plan] == ["low", "high"]
+    low_tokens, high_tokens = (p.num_tokens for p in out.mm_plan)
+    assert sum(p.num_tokens for p in out.mm_plan) == out.prompt_token_ids.count(
+        llm.llm_engine.config.model.image_token_id)
+    assert 0.2 <= low_tokens / high_tokens <= 0.3
+
+
+def _data_url(width: int, height: int) -> str:
+    import base64
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 90)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

@@ -276,8 +276,8 @@ def _error_cases() -> list[tuple[str, str, dict | str, str]]:
         return {"model": MODEL_NAME, "messages": messages or image_message(ok), **fields}
 
     three = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ok}}] * 3}]
-    video = [{"role": "user", "content": [{"type": "video_url",
-                                           "video_url": {"url": "http://x/v.mp4"}}]}]
+    video_part = {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}}
+    two_videos = [{"role": "user", "content": [video_part, video_part]}]
     return [
         ("malformed json", chat, '{"model": ', "not valid JSON"),
         ("missing messages", chat, {"model": MODEL_NAME}, "messages"),
@@ -286,7 +286,7 @@ def _error_cases() -> list[tuple[str, str, dict | str, str]]:
         ("pixel limit", chat, body(image_message(huge_pixels)), "--max-image-pixels"),
         ("byte limit", chat, body(image_message(big_noise)), "--max-media-bytes"),
         ("too many images", chat, body(three), "limit is 2"),
-        ("video", chat, body(video), "video input is not supported yet"),
+        ("too many videos", chat, body(two_videos), "2 videos; the limit is 1"),
         ("context overflow", "/v1/completions",
          {"model": MODEL_NAME, "prompt": "hello " * 1100}, "max_model_len"),
         ("unknown model", chat, body(model="gpt-9"), "not served here"),

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, config)` wires the
-routes onto an engine with AsyncLLM's interface; `serve(engine, config, host,
-port)` runs it under uvicorn."""
+routes onto an engine with AsyncLLM's interface and a `StagePools` (PDF, OCR,
+ASR workers, started on first use); `serve(engine, config, host, port)` runs it
+under uvicorn."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -19,22 +21,29 @@ from foveal.entrypoints.openai.serving_chat import OpenAIServingChat
 from foveal.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from foveal.entrypoints.openai.serving_engine import ServerConfig
 from foveal.multimodal.media.fetch import MediaFetcher
+from foveal.stages.service import StagePools
 
 # Reachable without the API key: load balancers and scrapers hold no secrets.
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
-def build_app(engine, config: ServerConfig, *, owns_engine: bool = False) -> FastAPI:
-    """owns_engine: shut the engine down with the app (several apps may share one)."""
+def build_app(engine, config: ServerConfig, *, owns_engine: bool = False,
+              stage_pools: StagePools | None = None) -> FastAPI:
+    """owns_engine: shut the engine down with the app (several apps may share one).
+    stage_pools: stages to use (the caller closes them); default: the app's own,
+    built from config.stages and closed with the app."""
     fetcher = MediaFetcher(config.media)
-    metrics = ServerMetrics()
-    chat = OpenAIServingChat(engine, config, metrics, fetcher)
+    stages = stage_pools or StagePools(config.stages)
+    metrics = ServerMetrics(stages)
+    chat = OpenAIServingChat(engine, config, metrics, fetcher, stages)
     completion = OpenAIServingCompletion(engine, config, metrics, fetcher)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         await fetcher.aclose()
+        if stage_pools is None:
+            await asyncio.to_thread(stages.close)
         if owns_engine:
             engine.shutdown()
 

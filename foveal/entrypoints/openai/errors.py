@@ -1,7 +1,8 @@
 """Errors as OpenAI's JSON body {"error": {message, type, param, code}} with the
 HTTP status a client expects: 400 for anything the request got wrong, 401 for
-a missing or wrong API key, 503 when the engine sheds load. A 500 means a bug
-in Foveal, never a bad request."""
+a missing or wrong API key, 503 when the engine or a preprocessing stage sheds
+load, 502 when a stage (its worker or remote endpoint) failed on an item. A 500
+means a bug in Foveal, never a bad request."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,8 @@ def status_of(error: Exception) -> HTTPStatus:
         return HTTPStatus.SERVICE_UNAVAILABLE
     if isinstance(error, foveal_errors.InvalidRequestError):
         return HTTPStatus.BAD_REQUEST
+    if isinstance(error, foveal_errors.StageError):
+        return HTTPStatus.BAD_GATEWAY
     return HTTPStatus.INTERNAL_SERVER_ERROR
 
 

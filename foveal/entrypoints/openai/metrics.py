@@ -1,11 +1,13 @@
 """Prometheus metrics of the server, under the names `LLM.get_metrics()` uses.
 
-Two sources: latency histograms observed here as requests stream and finish
-(TTFT, inter-token latency, end-to-end, preprocessing), and the engine's
-counters and gauges (`foveal:prompt_tokens_total`, `foveal:kv_cache_usage_perc`,
+Three sources: latency histograms observed here as requests stream and finish
+(TTFT, inter-token latency, end-to-end, preprocessing); the engine's counters
+and gauges (`foveal:prompt_tokens_total`, `foveal:kv_cache_usage_perc`,
 `foveal:request_success_total{finished_reason="stop"}`, ...) read from
-`AsyncLLM.get_metrics()` at scrape time and exported as they are: a name ending
-in `_total` is a counter, any other a gauge.
+`AsyncLLM.get_metrics()` at scrape time; and the preprocessing stages'
+(`foveal:stage_items_total{stage="pdf"}`, `foveal:stage_queue_depth`, ...) from
+`StagePools.get_metrics()`. Both snapshots are exported as they are: a name
+ending in `_total` is a counter, any other a gauge.
 """
 from __future__ import annotations
 
@@ -60,7 +62,9 @@ class EngineStatsCollector:
 class ServerMetrics:
     """One per app (its own registry, so several servers can live in one process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages=None) -> None:
+        """stages: a StagePools whose stage metrics are exported too."""
+        self.stages = stages
         self.registry = CollectorRegistry()
         self.engine_stats = EngineStatsCollector()
         self.registry.register(self.engine_stats)
@@ -90,7 +94,10 @@ class ServerMetrics:
             self.preprocess_time.observe(preprocess)
 
     async def render(self, engine) -> bytes:
-        self.engine_stats.snapshot = dict(await engine.get_metrics())
+        snapshot = dict(await engine.get_metrics())
+        if self.stages is not None:
+            snapshot.update(self.stages.get_metrics())
+        self.engine_stats.snapshot = snapshot
         return generate_latest(self.registry)
 
 

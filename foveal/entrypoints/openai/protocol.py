@@ -2,7 +2,14 @@
 
 Requests accept OpenAI's fields plus Foveal's extras (`ignore_eos`, `top_k`,
 `min_p`, `mm_processor_kwargs`); fields no endpoint uses are ignored, as
-OpenAI clients send many. Options Foveal cannot honour yet (n > 1, penalties,
+OpenAI clients send many. `mm_processor_kwargs` carries the model processor's
+keys (max_pixels, fps, max_visual_tokens, ...) and the preprocessing stages'
+options (pdf_mode, ocr, transcribe_audio, ...).
+
+Responses add to OpenAI's `usage`: `prompt_tokens_details.image_tokens` and
+`.video_tokens` (visual tokens in the prompt), and `mm_plan`, the downsampling
+planner's choice per media item in prompt order (modality, num_tokens, detail,
+num_frames, max_pixels). Options Foveal cannot honour yet (n > 1, penalties,
 tools, response formats) fail with a message instead of being dropped.
 """
 from __future__ import annotations
@@ -113,6 +120,17 @@ class CompletionRequest(SamplingRequest):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     image_tokens: int = 0
+    video_tokens: int = 0
+
+
+class MediaItemPlan(BaseModel):
+    """The planner's setting for one media item (foveal.multimodal.budget.ItemPlan)."""
+
+    modality: Literal["image", "video"]
+    num_tokens: int
+    detail: str
+    num_frames: int  # 1 for images
+    max_pixels: int
 
 
 class UsageInfo(BaseModel):
@@ -120,6 +138,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    mm_plan: list[MediaItemPlan] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):

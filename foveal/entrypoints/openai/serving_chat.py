@@ -1,5 +1,12 @@
-"""POST /v1/chat/completions: messages with text and image_url parts -> one answer,
-whole or streamed as chat.completion.chunk events."""
+"""POST /v1/chat/completions: messages with text, image_url, video_url, file (PDF)
+and input_audio parts -> one answer, whole or streamed as chat.completion.chunk
+events.
+
+PDF and audio parts go through the preprocessing stages first (as in
+`LLM.chat`); then media URLs are fetched here, in the API process, and the
+bytes go to the engine with each image's `detail` and the request's
+mm_processor_kwargs (max_visual_tokens, max_pixels, fps, ...).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -17,13 +24,18 @@ from foveal.entrypoints.openai.serving_engine import (SSE_DONE, EngineStreamResp
                                                       FinalOutput, OpenAIServing, chain,
                                                       engine_failure, sse, sse_error,
                                                       with_error_event)
-from foveal.errors import MediaError, MediaLimitError
-from foveal.multimodal.chat import parse_chat_messages
-
-_VIDEO_PART_TYPES = ("video_url", "video")
+from foveal.errors import MediaLimitError
+from foveal.multimodal.chat import ChatConversation, parse_chat_conversation
+from foveal.stages.assembly import (PreprocessOptions, expand_preprocessed_parts, needs_stages,
+                                    split_preprocess_options)
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine, config, metrics, fetcher, stages) -> None:
+        """stages: the server's StagePools (PDF, OCR and ASR worker pools)."""
+        super().__init__(engine, config, metrics, fetcher)
+        self.stages = stages
+
     async def create(self, request: ChatCompletionRequest) -> Response:
         model = self.served_model(request.model)
         params = request.sampling_params()
@@ -40,26 +52,48 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = None if top_n is None else chat_logprobs(final.token_ids, final.logprobs, top_n)
         choice = ChatChoice(message=ChatMessage(content=final.text), logprobs=logprobs,
                             finish_reason=final.finish_reason, stop_reason=final.stop_reason)
-        usage = self.usage(final.prompt_token_ids, final.num_cached_tokens, len(final.token_ids))
-        body = ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
+        body = ChatCompletionResponse(id=request_id, model=model, choices=[choice],
+                                      usage=self.usage(final))
         return JSONResponse(body.model_dump())
 
     async def _prompt(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        _refuse_video(request.messages)
-        template_messages, image_urls = parse_chat_messages(request.messages)
-        limit = self.engine.engine_config.multimodal.limit_mm_per_prompt.get("image", 0)
-        if len(image_urls) > limit:
-            raise MediaLimitError(f"the messages hold {len(image_urls)} images; the limit is "
-                                  f"{limit} per request (--limit-mm-per-prompt image=N)")
-        images = await asyncio.gather(*(self.fetcher.fetch(url) for url in image_urls))
+        options, processor_kwargs = split_preprocess_options(request.mm_processor_kwargs)
+        options = PreprocessOptions.from_request(options)
+        messages = request.messages
+        if needs_stages(messages, {"ocr": options.ocr}):
+            messages = await expand_preprocessed_parts(messages, self.stages, options)
+        conversation = parse_chat_conversation(messages)
+        self._check_counts(conversation)
         text = self.engine.tokenizer.apply_chat_template(
-            template_messages, add_generation_prompt=True, **(request.chat_template_kwargs or {}))
+            conversation.messages, add_generation_prompt=True,
+            **(request.chat_template_kwargs or {}))
         prompt: dict[str, Any] = {"prompt": text}
-        if images:
-            prompt["multi_modal_data"] = {"image": list(images)}
-        if request.mm_processor_kwargs:
-            prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
+        if conversation.images or conversation.videos:
+            prompt["multi_modal_data"] = await self._fetch_media(conversation)
+        if processor_kwargs:
+            prompt["mm_processor_kwargs"] = processor_kwargs
         return prompt
+
+    def _check_counts(self, conversation: ChatConversation) -> None:
+        """Before fetching: a request over the limit must not cost any downloads."""
+        limits = self.engine.engine_config.multimodal.limit_mm_per_prompt
+        for modality, items in (("image", conversation.images), ("video", conversation.videos)):
+            limit = limits.get(modality, 0)
+            if len(items) > limit:
+                raise MediaLimitError(f"the messages hold {len(items)} {modality}s; the limit is "
+                                      f"{limit} per request (--limit-mm-per-prompt {modality}=N)")
+
+    async def _fetch_media(self, conversation: ChatConversation) -> dict[str, list]:
+        """Every URL fetched concurrently; an image keeps its {"detail": ...} wrapper."""
+        image_urls = [item["image"] if isinstance(item, dict) else item
+                      for item in conversation.images]
+        fetched = await asyncio.gather(
+            *(self.fetcher.fetch(url, "image") for url in image_urls),
+            *(self.fetcher.fetch(url, "video") for url in conversation.videos))
+        images = [{**item, "image": data} if isinstance(item, dict) else data
+                  for item, data in zip(conversation.images, fetched)]
+        media = {"image": images, "video": list(fetched[len(images):])}
+        return {modality: items for modality, items in media.items() if items}
 
     async def _events(self, model: str, request_id: str, first: RequestOutput,
                       rest: AsyncIterator[RequestOutput], top_n: int | None,
@@ -82,19 +116,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(DeltaMessage(content=completion.text), logprobs=logprobs,
                             finish_reason=completion.finish_reason)
         if include_usage:
-            usage = self.usage(final.prompt_token_ids, final.num_cached_tokens,
-                               len(final.token_ids))
-            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
+            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
+                                          usage=self.usage(final)))
         yield SSE_DONE
-
-
-def _refuse_video(messages: list[dict[str, Any]]) -> None:
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type") in _VIDEO_PART_TYPES:
-                raise MediaError("video input is not supported yet; send frames as "
-                                 "image_url parts")
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,

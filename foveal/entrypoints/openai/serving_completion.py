@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choice = CompletionChoice(
             text=final.text, finish_reason=final.finish_reason, stop_reason=final.stop_reason,
             logprobs=completion_logprobs(final.token_ids, final.logprobs, request.logprobs, 0))
-        usage = self.usage(final.prompt_token_ids, final.num_cached_tokens, len(final.token_ids))
+        usage = self.usage(final)
         body = CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -58,9 +58,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                       stop_reason=completion.stop_reason)
             yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
         if include_usage:
-            usage = self.usage(final.prompt_token_ids, final.num_cached_tokens,
-                               len(final.token_ids))
-            yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                         usage=self.usage(final)))
         yield SSE_DONE
 
 

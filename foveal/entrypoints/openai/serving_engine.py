@@ -16,10 +16,11 @@ from starlette.responses import StreamingResponse
 from foveal.engine.output import Logprob, RequestOutput
 from foveal.entrypoints.openai.errors import APIError, error_body, status_of
 from foveal.entrypoints.openai.metrics import ServerMetrics, TokenTimer
-from foveal.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
-from foveal.multimodal.media.fetch import MediaFetchConfig, MediaFetcher
+from foveal.entrypoints.openai.protocol import MediaItemPlan, PromptTokensDetails, UsageInfo
 from foveal.errors import FovealError, InvalidRequestError
+from foveal.multimodal.media.fetch import MediaFetchConfig, MediaFetcher
 from foveal.sampling_params import SamplingParams
+from foveal.stages.config import StagesConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ServerConfig:
     model_path: str
     api_key: str | None = None
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)  # PDF, OCR, ASR pools
 
 
 @dataclass
@@ -42,6 +44,7 @@ class FinalOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    mm_plan: list | None = None  # ItemPlan per media item, from the first output
 
     def add(self, output: RequestOutput) -> None:
         completion = output.outputs[0]
@@ -52,6 +55,7 @@ class FinalOutput:
         self.num_cached_tokens = output.num_cached_tokens
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
         self.error = output.error or self.error
+        self.mm_plan = output.mm_plan or self.mm_plan
 
 
 class EngineStreamResponse(StreamingResponse):
@@ -83,6 +87,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.fetcher = fetcher
         self.image_token_id = engine.engine_config.model.image_token_id
+        self.video_token_id = engine.engine_config.model.video_token_id
         self.vocab_size = engine.engine_config.model.text.vocab_size
 
     def served_model(self, requested: str | None) -> str:
@@ -130,14 +135,18 @@ class OpenAIServing:
             final.add(output)
         return final
 
-    def usage(self, prompt_token_ids: list[int], num_cached_tokens: int,
-              num_completion_tokens: int) -> UsageInfo:
-        num_prompt = len(prompt_token_ids)
-        details = PromptTokensDetails(cached_tokens=num_cached_tokens,
-                                      image_tokens=prompt_token_ids.count(self.image_token_id))
-        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt + num_completion_tokens,
-                         prompt_tokens_details=details)
+    def usage(self, final: FinalOutput) -> UsageInfo:
+        prompt_ids = final.prompt_token_ids
+        num_prompt, num_completion = len(prompt_ids), len(final.token_ids)
+        details = PromptTokensDetails(cached_tokens=final.num_cached_tokens,
+                                      image_tokens=prompt_ids.count(self.image_token_id),
+                                      video_tokens=prompt_ids.count(self.video_token_id))
+        plan = [MediaItemPlan(modality=item.modality, num_tokens=item.num_tokens,
+                              detail=item.detail, num_frames=item.num_frames,
+                              max_pixels=item.max_pixels) for item in final.mm_plan or ()]
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion,
+                         prompt_tokens_details=details, mm_plan=plan)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, field_name: str) -> None:

@@ -42,6 +42,10 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int]  # (1, resized_h / P, resized_w / P)
     num_tokens: int  # visual tokens after the merger: t * h * w // merge_size**2
     mm_hash: str
+    modality = "image"
+
+    def feature_data(self) -> dict[str, Any]:
+        return {"pixel_values": self.pixel_values, "grid_thw": self.grid_thw}
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -180,10 +184,8 @@ class Qwen2VLImageProcessor:
         """Resize, normalize and patchify one decoded image."""
         rgb = self._as_rgb(image)
         resized_h, resized_w = self.resized_size(rgb.width, rgb.height)
-        resized = rgb
-        if (resized_h, resized_w) != (rgb.height, rgb.width):
-            resized = rgb.resize((resized_w, resized_h), resample=_PIL_RESAMPLE_FILTERS[self.resample])
-        pixels = self._normalize(np.asarray(resized))  # (H, W, C) float32
+        resized = self.resize_frame(rgb, resized_h, resized_w)
+        pixels = self.normalize(np.asarray(resized))  # (H, W, C) float32
         pixel_values = self._patchify(torch.from_numpy(pixels))
         grid_thw = (1, resized_h // self.patch_size, resized_w // self.patch_size)
         return ProcessedImage(
@@ -200,7 +202,7 @@ class Qwen2VLImageProcessor:
             raise MediaError(f"image mode is {image.mode!r} and do_convert_rgb is off; pass an RGB image")
         return image
 
-    def _normalize(self, pixels: np.ndarray) -> np.ndarray:
+    def normalize(self, pixels: np.ndarray) -> np.ndarray:
         """uint8 (H, W, C) -> float32 (H, W, C), via a 256-entry table per channel.
 
         The table holds exactly what transformers computes per pixel (float64
@@ -216,6 +218,11 @@ class Qwen2VLImageProcessor:
             std = np.asarray(self.image_std, dtype=np.float32)  # (C,)
             table = (table - mean) / std
         return table[pixels, np.arange(3)]  # (H, W, C)
+
+    def resize_frame(self, image: Image.Image, resized_h: int, resized_w: int) -> Image.Image:
+        if (resized_h, resized_w) == (image.height, image.width):
+            return image
+        return image.resize((resized_w, resized_h), resample=_PIL_RESAMPLE_FILTERS[self.resample])
 
     def _patchify(self, pixels: torch.Tensor) -> torch.Tensor:
         height, width, channels = pixels.shape
@@ -260,32 +267,36 @@ def _per_channel(value: float | list[float], key: str) -> tuple[float, float, fl
 def expand_placeholders(
     token_ids: list[int], items: list[ProcessedImage], image_token_id: int
 ) -> tuple[list[int], list[MMFeature]]:
-    """Replace each single image placeholder by `item.num_tokens` copies, in order.
+    """Images only: `expand_mm_placeholders` with one modality."""
+    return expand_mm_placeholders(token_ids, {"image": (image_token_id, items)})
 
-    Returns the expanded ids and one MMFeature per item whose placeholder range
-    covers exactly its copies.
+
+def expand_mm_placeholders(
+    token_ids: list[int], items_by_modality: dict[str, tuple[int, list]]
+) -> tuple[list[int], list[MMFeature]]:
+    """Replace each single placeholder token by `item.num_tokens` copies.
+
+    items_by_modality: modality -> (placeholder token id, processed items in
+    the order their placeholders appear). Returns the expanded ids and one
+    MMFeature per item, in prompt order, whose range covers exactly its copies.
     """
-    positions = [i for i, token_id in enumerate(token_ids) if token_id == image_token_id]
-    if len(positions) != len(items):
-        raise PlaceholderMismatchError(
-            f"the prompt has {len(positions)} image placeholder(s) but {len(items)} image(s) were passed; "
-            "the prompt needs one <|image_pad|> per image (LLM.chat() adds them)"
-        )
+    queues = {}
+    for modality, (token_id, items) in items_by_modality.items():
+        count = token_ids.count(token_id)
+        if count != len(items):
+            raise PlaceholderMismatchError(
+                f"the prompt has {count} {modality} placeholder(s) but {len(items)} {modality}(s) were "
+                f"passed; the prompt needs one <|{modality}_pad|> per {modality} (LLM.chat() adds them)")
+        queues[token_id] = iter(items)
     expanded: list[int] = []
     features: list[MMFeature] = []
-    start = 0
-    for position, item in zip(positions, items):
-        expanded.extend(token_ids[start:position])
+    for token_id in token_ids:
+        if token_id not in queues:
+            expanded.append(token_id)
+            continue
+        item = next(queues[token_id])
         placeholder = PlaceholderRange(offset=len(expanded), length=item.num_tokens)
-        expanded.extend([image_token_id] * item.num_tokens)
-        features.append(
-            MMFeature(
-                modality="image",
-                mm_hash=item.mm_hash,
-                placeholder=placeholder,
-                data={"pixel_values": item.pixel_values, "grid_thw": item.grid_thw},
-            )
-        )
-        start = position + 1
-    expanded.extend(token_ids[start:])
+        features.append(MMFeature(modality=item.modality, mm_hash=item.mm_hash,
+                                  placeholder=placeholder, data=item.feature_data()))
+        expanded.extend([token_id] * item.num_tokens)
     return expanded, features

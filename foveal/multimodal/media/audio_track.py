@@ -1,0 +1,68 @@
+"""Extract a video's audio track as 16 kHz mono float32 samples (PyAV).
+
+Speech-to-text models take 16 kHz mono; resampling here, once, lets every
+transcriber stage share the same input. Decoding streams packet by packet;
+only the resampled samples are kept (64 KB per second of audio).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from foveal.errors import MediaError, MediaLimitError
+
+SAMPLE_RATE = 16_000
+DEFAULT_MAX_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class AudioTrack:
+    samples: np.ndarray  # (num_samples,) float32 in [-1, 1], mono
+    sample_rate: int
+    start_time: float  # seconds of the first sample on the container's clock
+
+    @property
+    def duration(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+    def timestamps(self) -> np.ndarray:
+        """(num_samples,) float64 seconds of each sample from the track start."""
+        return np.arange(len(self.samples)) / self.sample_rate
+
+
+def extract_audio(source: Any, sample_rate: int = SAMPLE_RATE,
+                  max_seconds: float = DEFAULT_MAX_SECONDS) -> AudioTrack | None:
+    """The first audio stream of `source` (any encoded video source that
+    `foveal.multimodal.media.video` accepts), or None if it has none or the
+    source is a list of frames."""
+    import av
+
+    from foveal.multimodal.media.video import _open_container, is_frame_source
+
+    if is_frame_source(source):
+        return None
+    with _open_container(source) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
+        chunks, start, limit = [], None, int(max_seconds * sample_rate)
+        try:
+            for frame in container.decode(stream):
+                start = frame.time if start is None else start
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))  # (n,) float32
+                _check_length(sum(len(c) for c in chunks), limit, max_seconds)
+            chunks.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
+        except av.FFmpegError as exc:
+            raise MediaError(f"could not decode the video's audio track ({exc})") from exc
+    samples = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
+    return AudioTrack(samples, sample_rate, float(start or 0.0))
+
+
+def _check_length(num_samples: int, limit: int, max_seconds: float) -> None:
+    if num_samples > limit:
+        raise MediaLimitError(f"the audio track is longer than {max_seconds:.0f} s; "
+                              "send a shorter clip or turn transcription off")
