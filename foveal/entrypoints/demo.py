@@ -34,7 +34,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"image: {DEMO_IMAGE}")
     print(f"question: {question}")
     print(f"answer: {output.outputs[0].text!r}")
-    print(f"(the weights are random, so the answer is noise; the pipeline is real)")
+    print("(the weights are random, so the answer is noise; the pipeline is real)")
     print(f"prompt tokens: {len(output.prompt_token_ids)} "
           f"(visual: {int(metrics.get('foveal:visual_tokens_total', 0))}), "
           f"generated: {len(output.outputs[0].token_ids)}, "

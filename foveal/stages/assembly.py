@@ -35,7 +35,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from foveal.errors import InvalidRequestError
-from foveal.multimodal.media.audio import decode_base64, read_media_bytes
+from foveal.multimodal.media.audio import read_media_bytes
+from foveal.multimodal.media.data_url import decode_base64
 from foveal.multimodal.media.image import load_image
 from foveal.multimodal.media.pdf import encode_png
 from foveal.stages.asr import AsrItem

@@ -9,8 +9,6 @@ soon as it passes the limit instead of after the whole file is in memory.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import pathlib
 import urllib.parse
@@ -18,6 +16,7 @@ import urllib.parse
 import numpy as np
 
 from foveal.errors import MediaError, MediaLimitError
+from foveal.multimodal.media.data_url import decode_data_url
 
 SAMPLE_RATE = 16_000
 
@@ -93,25 +92,6 @@ def read_media_bytes(source: MediaSource, mime_prefixes: tuple[str, ...], kind: 
     if scheme in ("http", "https"):
         raise MediaError(f"http(s) {kind} URLs are fetched by the server; pass bytes, a path or a data URL")
     return _read_path(pathlib.Path(source), kind)
-
-
-def decode_data_url(url: str, mime_prefixes: tuple[str, ...], kind: str) -> bytes:
-    header, sep, payload = url.partition(",")
-    mime, *params = header[len("data:"):].split(";")
-    if not sep or not mime.lower().startswith(mime_prefixes):
-        raise MediaError(
-            f"data URL header {header[:64]!r} is not {kind}; expected one of "
-            f"{', '.join(p + '...' for p in mime_prefixes)}")
-    if "base64" not in (p.lower() for p in params):
-        raise MediaError(f"only base64 data URLs are supported: 'data:{mime_prefixes[0]}...;base64,<payload>'")
-    return decode_base64(payload, kind)
-
-
-def decode_base64(payload: str, kind: str) -> bytes:
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(f"{kind} payload is not valid base64 ({exc})") from exc
 
 
 def _read_path(path: pathlib.Path, kind: str) -> bytes:

@@ -10,8 +10,6 @@ corrupt or truncated bytes fail this request now rather than a worker later.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import pathlib
 import urllib.parse
@@ -19,6 +17,7 @@ import urllib.parse
 from PIL import Image
 
 from foveal.errors import MediaError, MediaLimitError
+from foveal.multimodal.media.data_url import decode_data_url as shared_decode_data_url
 
 ImageSource = Image.Image | bytes | bytearray | memoryview | pathlib.Path | str
 
@@ -99,19 +98,7 @@ def _open_str(source: str, max_image_pixels: int) -> Image.Image:
 
 
 def decode_data_url(url: str) -> bytes:
-    header, sep, payload = url.partition(",")
-    mime, *params = header[len("data:"):].split(";")
-    if not sep or not mime.lower().startswith("image/"):
-        raise MediaError(
-            f"data URL header {header[:64]!r} is not an image; expected "
-            "'data:image/<format>;base64,<payload>'"
-        )
-    if "base64" not in (p.lower() for p in params):
-        raise MediaError("only base64 data URLs are supported: 'data:image/<format>;base64,<payload>'")
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(f"data URL payload is not valid base64 ({exc})") from exc
+    return shared_decode_data_url(url, ("image/",), "an image")
 
 
 def _file_url_path(url: str) -> pathlib.Path:

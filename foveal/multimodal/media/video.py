@@ -20,8 +20,6 @@ the whole clip, starting at the first frame.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import math
@@ -34,6 +32,7 @@ import numpy as np
 from PIL import Image
 
 from foveal.errors import MediaError, MediaLimitError
+from foveal.multimodal.media.data_url import decode_data_url
 from foveal.multimodal.media.image import check_pixel_limit
 
 # Source frames the decoder may walk for one video: one hour at 30 fps.
@@ -208,17 +207,7 @@ def _checked_path(path: pathlib.Path) -> str:
 
 def decode_video_data_url(url: str) -> bytes:
     """Bytes of a `data:video/<format>;base64,<payload>` URL."""
-    header, sep, payload = url.partition(",")
-    mime, *params = header[len("data:"):].split(";")
-    if not sep or not mime.lower().startswith("video/"):
-        raise MediaError(f"data URL header {header[:64]!r} is not a video; expected "
-                         "'data:video/<format>;base64,<payload>'")
-    if "base64" not in (p.lower() for p in params):
-        raise MediaError("only base64 data URLs are supported: 'data:video/<format>;base64,<payload>'")
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(f"video data URL payload is not valid base64 ({exc})") from exc
+    return decode_data_url(url, ("video/",), "a video")
 
 
 def _container_info(container, source: Any) -> VideoInfo:
