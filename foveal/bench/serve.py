@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from foveal.bench.workload import WorkloadSpec, parse_image_size
+from foveal.bench.workload import WorkloadSpec, draw_images, draw_output_len, parse_image_size
 from foveal.errors import ConfigError
 
 _WORDS = ("image", "describe", "color", "shape", "left", "right", "top", "bottom", "small",
@@ -65,19 +65,13 @@ def _png_data_url(pixels: np.ndarray) -> str:
 def build_chat_requests(spec: WorkloadSpec) -> list[ChatRequest]:
     """N chat requests; the same spec always gives the same requests."""
     rng = np.random.default_rng(spec.seed)
-    (min_w, max_w), (min_h, max_h) = spec.image_side_bounds()
-    low, high = spec.output_len_bounds()
     requests = []
     for _ in range(spec.num_prompts):
-        parts = []
-        for _ in range(spec.images_per_prompt):
-            width = int(rng.integers(min_w, max_w, endpoint=True))
-            height = int(rng.integers(min_h, max_h, endpoint=True))
-            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-            parts.append({"type": "image_url", "image_url": {"url": _png_data_url(pixels)}})
+        parts = [{"type": "image_url", "image_url": {"url": _png_data_url(pixels)}}
+                 for pixels in draw_images(spec, rng)]
         words = rng.choice(_WORDS, size=spec.input_len).tolist() if spec.input_len else []
         parts.append({"type": "text", "text": " ".join(words)})
-        output_len = int(rng.integers(low, high, endpoint=True))
+        output_len = draw_output_len(spec, rng)
         requests.append(ChatRequest([{"role": "user", "content": parts}], output_len))
     return requests
 

@@ -128,22 +128,31 @@ def build_workload(spec: WorkloadSpec, vocab: PromptVocab) -> list[BenchRequest]
     if spec.input_len and not vocab.text_token_ids:
         raise CheckpointError("the tokenizer has no ordinary tokens to build text from")
     rng = np.random.default_rng(spec.seed)
-    (min_w, max_w), (min_h, max_h) = spec.image_side_bounds()
-    low, high = spec.output_len_bounds()
     text_ids = np.asarray(vocab.text_token_ids, dtype=np.int64)
     image_prefix = [vocab.vision_start_id, vocab.image_pad_id, vocab.vision_end_id]
     requests = []
     for _ in range(spec.num_prompts):
-        images = []
-        for _ in range(spec.images_per_prompt):
-            width = int(rng.integers(min_w, max_w, endpoint=True))
-            height = int(rng.integers(min_h, max_h, endpoint=True))
-            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-            images.append(Image.fromarray(pixels))
+        images = [Image.fromarray(pixels) for pixels in draw_images(spec, rng)]
         text = rng.choice(text_ids, size=spec.input_len).tolist() if spec.input_len else []
-        output_len = int(rng.integers(low, high, endpoint=True))
+        output_len = draw_output_len(spec, rng)
         requests.append(BenchRequest(image_prefix * len(images) + text, images, output_len))
     return requests
+
+
+def draw_images(spec: WorkloadSpec, rng: np.random.Generator) -> list[np.ndarray]:
+    """One request's random images, (H, W, 3) uint8, sides drawn within the spec's range."""
+    (min_w, max_w), (min_h, max_h) = spec.image_side_bounds()
+    images = []
+    for _ in range(spec.images_per_prompt):
+        width = int(rng.integers(min_w, max_w, endpoint=True))
+        height = int(rng.integers(min_h, max_h, endpoint=True))
+        images.append(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+    return images
+
+
+def draw_output_len(spec: WorkloadSpec, rng: np.random.Generator) -> int:
+    low, high = spec.output_len_bounds()
+    return int(rng.integers(low, high, endpoint=True))
 
 
 def warmup_request(vocab: PromptVocab) -> BenchRequest:
