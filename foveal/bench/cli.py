@@ -142,3 +142,6 @@ def register(subparsers) -> None:
     from foveal.bench.stages import register_stages
 
     register_stages(bench_commands)
+    from foveal.bench.video import register_video
+
+    register_video(bench_commands)
