@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from foveal.bench.workload import add_workload_args, workload_spec_from_args
 from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
 from foveal.errors import ConfigError
 
@@ -30,15 +31,6 @@ def _model_dir(args: argparse.Namespace) -> Path:
     from foveal.loader.tiny_model import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(default_cache_dir() / args.dummy, args.dummy)
-
-
-def _workload_spec(args: argparse.Namespace):
-    from foveal.bench.workload import WorkloadSpec, parse_image_size
-
-    return WorkloadSpec(num_prompts=args.num_prompts, images_per_prompt=args.images_per_prompt,
-                        image_size=parse_image_size(args.image_size), input_len=args.input_len,
-                        output_len=args.output_len, output_len_range=args.output_len_range,
-                        seed=args.seed, image_size_range=args.image_size_range)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -67,7 +59,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
 
     if args.baseline and not args.hf_batch_sizes:
         raise ConfigError("--hf-batch-sizes is empty; give at least one batch size")
-    spec = _workload_spec(args)
+    spec = workload_spec_from_args(args)
     plan = ThroughputPlan(model_dir=_model_dir(args), workload=spec,
                           engine_kwargs=_engine_kwargs(args),
                           hf_batch_sizes=args.hf_batch_sizes if args.baseline == "hf" else ())
@@ -95,21 +87,6 @@ def _write_json(path: Path, args: argparse.Namespace, plan, report: dict) -> Non
     print(f"wrote {path}")
 
 
-def _add_workload_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("workload (seeded by --seed)")
-    group.add_argument("--num-prompts", type=int, default=32)
-    group.add_argument("--images-per-prompt", type=int, default=1)
-    group.add_argument("--image-size", default="448x448",
-                       help="WIDTHxHEIGHT the image sizes vary around")
-    group.add_argument("--image-size-range", type=float, default=0.25,
-                       help="R: each side uniform in [side*(1-R), side*(1+R)]; 0 = exact size")
-    group.add_argument("--input-len", type=int, default=64,
-                       help="random text tokens per prompt, besides image placeholders")
-    group.add_argument("--output-len", type=int, default=64)
-    group.add_argument("--output-len-range", type=float, default=0.0,
-                       help="R: output lengths uniform in [out*(1-R), out*(1+R)]")
-
-
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks",
                                   description="Benchmarks on synthetic workloads.")
@@ -125,7 +102,7 @@ def register(subparsers) -> None:
     source.add_argument("--dummy", metavar="PRESET",
                         help="random-weight checkpoint of a preset (tiny-qwen2-vl, "
                              "tiny-qwen2.5-vl, small, ...), built once into the cache")
-    _add_workload_args(throughput)
+    add_workload_args(throughput)
     baseline = throughput.add_argument_group("baseline")
     baseline.add_argument("--baseline", choices=["hf"], help="also run transformers")
     baseline.add_argument("--hf-batch-sizes", type=_batch_sizes, default=(1, 8, 32),

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from foveal.bench.workload import WorkloadSpec, draw_images, draw_output_len, parse_image_size
+from foveal.bench.workload import (WorkloadSpec, add_workload_args, draw_images, draw_output_len,
+                                   workload_spec_from_args)
 from foveal.errors import ConfigError
 
 _WORDS = ("image", "describe", "color", "shape", "left", "right", "top", "bottom", "small",
@@ -241,9 +242,7 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    spec = WorkloadSpec(num_prompts=args.num_prompts, images_per_prompt=args.images_per_prompt,
-                        image_size=parse_image_size(args.image_size), input_len=args.input_len,
-                        output_len=args.output_len, output_len_range=0.0, seed=args.seed)
+    spec = workload_spec_from_args(args)
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ConfigError("--request-rate must be > 0 (or inf) and --max-concurrency >= 1")
     plan = ServeBenchPlan(args.base_url, args.model, args.api_key, args.request_rate,
@@ -275,12 +274,7 @@ def register_serve(bench_commands) -> None:
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to send (default: first of /v1/models)")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--images-per-prompt", type=int, default=1)
-    parser.add_argument("--image-size", default="448x448",
-                        help="WIDTHxHEIGHT; each side varies uniformly in [0.75, 1.25]x")
-    parser.add_argument("--input-len", type=int, default=64, help="random words per prompt")
-    parser.add_argument("--output-len", type=int, default=64, help="max_tokens (EOS ignored)")
+    add_workload_args(parser)
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="Poisson arrivals per second; inf sends all at once")
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")

@@ -171,3 +171,27 @@ def workload_summary(spec: WorkloadSpec) -> dict:
             "image_height_range": [min_h, max_h], "input_len": spec.input_len,
             "output_len": spec.output_len, "output_len_range": spec.output_len_range,
             "output_len_bounds": list(spec.output_len_bounds()), "seed": spec.seed}
+
+
+def add_workload_args(parser) -> None:
+    """The workload flags shared by `foveal bench throughput` and `foveal bench serve`."""
+    group = parser.add_argument_group("workload (seeded by --seed)")
+    group.add_argument("--num-prompts", type=int, default=32)
+    group.add_argument("--images-per-prompt", type=int, default=1)
+    group.add_argument("--image-size", default="448x448",
+                       help="WIDTHxHEIGHT the image sizes vary around")
+    group.add_argument("--image-size-range", type=float, default=0.25,
+                       help="R: each side uniform in [side*(1-R), side*(1+R)]; 0 = exact size")
+    group.add_argument("--input-len", type=int, default=64,
+                       help="random text per prompt besides the images: token ids offline, "
+                            "words against a server")
+    group.add_argument("--output-len", type=int, default=64, help="max_tokens (EOS ignored)")
+    group.add_argument("--output-len-range", type=float, default=0.0,
+                       help="R: output lengths uniform in [out*(1-R), out*(1+R)]")
+
+
+def workload_spec_from_args(args) -> WorkloadSpec:
+    return WorkloadSpec(num_prompts=args.num_prompts, images_per_prompt=args.images_per_prompt,
+                        image_size=parse_image_size(args.image_size), input_len=args.input_len,
+                        output_len=args.output_len, output_len_range=args.output_len_range,
+                        seed=args.seed, image_size_range=args.image_size_range)
