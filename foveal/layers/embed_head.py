@@ -15,7 +15,7 @@ from foveal.distributed import (
     tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
 )
-from foveal.layers.linear import check_shape
+from foveal.layers.linear import apply_linear, check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,8 +52,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         if tied_embedding is not None:
             self.weight = tied_embedding.weight
+        self.packed_weight: torch.Tensor | None = None  # set by prepack_weights()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)  # (N, vocab / tp)
+        logits = apply_linear(hidden_states, self, None)  # (N, vocab / tp)
         logits = tensor_parallel_all_gather(logits, dim=-1)  # (N, padded vocab)
         return logits[..., : self.num_embeddings]

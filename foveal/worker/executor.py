@@ -5,6 +5,7 @@ from foveal.config import EngineConfig
 from foveal.engine.core import EngineCore
 from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
+from foveal.layers.linear import prepack_weights
 from foveal.worker.device import torch_dtype
 from foveal.worker.kv_cache import (allocate_kv_caches, available_kv_memory,
                                     kv_cache_bytes_per_block, num_blocks_for)
@@ -19,6 +20,7 @@ class UniProcExecutor:
         from foveal.loader.weights import load_model
 
         model = load_model(engine_config)
+        prepack_weights(model)  # CPU fp32: oneDNN-blocked GEMM weights
         model_config = engine_config.model
         block_size = engine_config.cache.block_size
         dtype = torch_dtype(engine_config.dtype)
