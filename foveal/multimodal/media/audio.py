@@ -42,7 +42,7 @@ def decode_audio(data: bytes, max_duration_s: float | None = None) -> np.ndarray
         if not container.streams.audio:
             raise MediaError("the file has no audio stream")
         try:
-            chunks = _decode_stream(container, max_duration_s)
+            chunks, _ = resample_audio_stream(container, max_duration_s)
         except av.FFmpegError as exc:
             raise MediaError(f"could not decode the audio ({exc}); the file is corrupt or truncated") from exc
     if not chunks:
@@ -50,15 +50,23 @@ def decode_audio(data: bytes, max_duration_s: float | None = None) -> np.ndarray
     return np.concatenate(chunks).astype(np.float32, copy=False)
 
 
-def _decode_stream(container, max_duration_s: float | None) -> list[np.ndarray]:
+_AUDIO_LIMIT_HINT = "--max-audio-seconds, or the asr stage option max_duration_s"
+
+
+def resample_audio_stream(container, max_duration_s: float | None,
+                          limit_hint: str = _AUDIO_LIMIT_HINT) -> tuple[list[np.ndarray], float]:
+    """Decode the container's first audio stream packet by packet to 16 kHz mono
+    float32 chunks, keeping only resampled samples. Returns (chunks, the first
+    frame's time in seconds). Raises av.FFmpegError for the caller to word."""
     import av
 
     resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
     max_samples = None if max_duration_s is None else int(max_duration_s * SAMPLE_RATE)
     chunks: list[np.ndarray] = []
-    num_samples = 0
-    frames = container.decode(container.streams.audio[0])
-    for frame in [*frames, None]:  # None flushes the resampler
+    num_samples, start = 0, None
+    for frame in [*container.decode(container.streams.audio[0]), None]:  # None flushes
+        if frame is not None and start is None:
+            start = frame.time
         for out in resampler.resample(frame):
             chunk = out.to_ndarray().reshape(-1)  # (1, n) packed mono -> (n,)
             chunks.append(chunk)
@@ -66,9 +74,8 @@ def _decode_stream(container, max_duration_s: float | None) -> list[np.ndarray]:
             if max_samples is not None and num_samples > max_samples:
                 raise MediaLimitError(
                     f"audio is longer than {max_duration_s:.0f} s; the limit is "
-                    f"{max_duration_s:.0f} s (--max-audio-seconds, or the asr stage option max_duration_s); "
-                    "send a shorter clip")
-    return chunks
+                    f"{max_duration_s:.0f} s ({limit_hint}); send a shorter clip")
+    return chunks, float(start or 0.0)
 
 
 def read_media_bytes(source: MediaSource, mime_prefixes: tuple[str, ...], kind: str) -> bytes:

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from foveal.errors import MediaError, MediaLimitError
+from foveal.errors import MediaError
+from foveal.multimodal.media.audio import SAMPLE_RATE, resample_audio_stream
 
-SAMPLE_RATE = 16_000
 DEFAULT_MAX_SECONDS = 3600.0
 
 
@@ -32,8 +32,7 @@ class AudioTrack:
         return np.arange(len(self.samples)) / self.sample_rate
 
 
-def extract_audio(source: Any, sample_rate: int = SAMPLE_RATE,
-                  max_seconds: float = DEFAULT_MAX_SECONDS) -> AudioTrack | None:
+def extract_audio(source: Any, max_seconds: float = DEFAULT_MAX_SECONDS) -> AudioTrack | None:
     """The first audio stream of `source` (any encoded video source that
     `foveal.multimodal.media.video` accepts), or None if it has none or the
     source is a list of frames."""
@@ -46,23 +45,10 @@ def extract_audio(source: Any, sample_rate: int = SAMPLE_RATE,
     with _open_container(source) as container:
         if not container.streams.audio:
             return None
-        stream = container.streams.audio[0]
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
-        chunks, start, limit = [], None, int(max_seconds * sample_rate)
         try:
-            for frame in container.decode(stream):
-                start = frame.time if start is None else start
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray().reshape(-1))  # (n,) float32
-                _check_length(sum(len(c) for c in chunks), limit, max_seconds)
-            chunks.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
+            chunks, start = resample_audio_stream(container, max_seconds,
+                                                  "or turn transcription off")
         except av.FFmpegError as exc:
             raise MediaError(f"could not decode the video's audio track ({exc})") from exc
     samples = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
-    return AudioTrack(samples, sample_rate, float(start or 0.0))
-
-
-def _check_length(num_samples: int, limit: int, max_seconds: float) -> None:
-    if num_samples > limit:
-        raise MediaLimitError(f"the audio track is longer than {max_seconds:.0f} s; "
-                              "send a shorter clip or turn transcription off")
+    return AudioTrack(samples, SAMPLE_RATE, start)
