@@ -107,8 +107,9 @@ async def _stream_one(client, url: str, body: dict) -> RequestResult:
                 result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 result.output_tokens = chunk["usage"]["completion_tokens"]
             choice = (chunk.get("choices") or [{}])[0]
-            # Text, or the end: a chunk of held-back bytes still carries tokens.
-            if choice.get("delta", {}).get("content") or choice.get("finish_reason"):
+            # A chunk carries tokens if it has text, token logprobs, or ends the answer.
+            if (choice.get("delta", {}).get("content") or choice.get("logprobs")
+                    or choice.get("finish_reason")):
                 if result.ttft == 0.0:
                     result.ttft = now - start
                 else:
@@ -124,7 +125,10 @@ async def _send(client, plan: ServeBenchPlan, model: str, request: ChatRequest,
                 limit: asyncio.Semaphore | None) -> RequestResult:
     body = {"model": model, "messages": request.messages, "max_tokens": request.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True},
+            # Per-token logprobs make every token visible in the stream, even while the
+            # detokenizer holds back bytes of an unfinished character.
+            "logprobs": True, "top_logprobs": 0}
     url = plan.base_url.rstrip("/") + "/v1/chat/completions"
     try:
         if limit is None:
