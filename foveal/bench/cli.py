@@ -24,7 +24,16 @@ def _batch_sizes(value: str) -> tuple[int, ...]:
     return sizes
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
+def add_model_source_args(parser: argparse.ArgumentParser, default_dummy: str | None = None) -> None:
+    """--model DIR | --dummy PRESET, shared by every offline benchmark."""
+    source = parser.add_mutually_exclusive_group(required=default_dummy is None)
+    source.add_argument("--model", help="Hugging Face checkpoint folder")
+    source.add_argument("--dummy", metavar="PRESET", default=default_dummy,
+                        help="random-weight checkpoint of a preset (tiny-qwen2-vl, "
+                             "tiny-qwen2.5-vl, small, ...), built once into the cache")
+
+
+def model_dir_from_args(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
     from foveal.entrypoints.demo import default_cache_dir
@@ -60,7 +69,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     if args.baseline and not args.hf_batch_sizes:
         raise ConfigError("--hf-batch-sizes is empty; give at least one batch size")
     spec = workload_spec_from_args(args)
-    plan = ThroughputPlan(model_dir=_model_dir(args), workload=spec,
+    plan = ThroughputPlan(model_dir=model_dir_from_args(args), workload=spec,
                           engine_kwargs=_engine_kwargs(args),
                           hf_batch_sizes=args.hf_batch_sizes if args.baseline == "hf" else ())
     print(f"model: {plan.model_dir}" + (f" (dummy preset {args.dummy})" if args.dummy else ""))
@@ -97,11 +106,7 @@ def register(subparsers) -> None:
         description="Time one offline generate() over a seeded multimodal workload (random "
                     "images and text, EOS ignored); with --baseline hf, run the same workload "
                     "through transformers' generate() on the same checkpoint folder.")
-    source = throughput.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="Hugging Face checkpoint folder")
-    source.add_argument("--dummy", metavar="PRESET",
-                        help="random-weight checkpoint of a preset (tiny-qwen2-vl, "
-                             "tiny-qwen2.5-vl, small, ...), built once into the cache")
+    add_model_source_args(throughput)
     add_workload_args(throughput)
     baseline = throughput.add_argument_group("baseline")
     baseline.add_argument("--baseline", choices=["hf"], help="also run transformers")

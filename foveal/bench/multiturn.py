@@ -200,13 +200,13 @@ def format_report(report: dict) -> str:
 
 
 def run_bench_multiturn(args: argparse.Namespace) -> int:
-    from foveal.bench.cli import _model_dir
+    from foveal.bench.cli import model_dir_from_args
     from foveal.bench.workload import parse_image_size
     from foveal.entrypoints.cli_args import engine_kwargs
 
     spec = MultiturnSpec(args.num_conversations, parse_image_size(args.image_size),
                          args.output_len, args.seed)
-    model_dir = _model_dir(args)
+    model_dir = model_dir_from_args(args)
     kwargs = engine_kwargs(args)
     kwargs.pop("enable_prefix_caching")
     kwargs.pop("kv_offload")
@@ -220,12 +220,12 @@ def run_bench_multiturn(args: argparse.Namespace) -> int:
 
 
 def register_multiturn(bench_commands) -> None:
+    from foveal.bench.cli import add_model_source_args
+
     parser = bench_commands.add_parser(
         "multiturn", help="multi-turn image chat: caching on vs off, offload tier",
         description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="Hugging Face checkpoint folder")
-    source.add_argument("--dummy", metavar="PRESET", help="random-weight checkpoint of a preset")
+    add_model_source_args(parser)
     parser.add_argument("--num-conversations", type=int, default=8)
     parser.add_argument("--image-size", default="448x448", help="WIDTHxHEIGHT")
     parser.add_argument("--output-len", type=int, default=32,

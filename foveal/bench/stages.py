@@ -205,12 +205,12 @@ def _format(rows: list[dict]) -> str:
 
 
 def run_bench_stages(args: argparse.Namespace) -> int:
-    from foveal.bench.cli import _model_dir
+    from foveal.bench.cli import model_dir_from_args
 
     per_stage = [bench_stage(stage, workers, stage_items(stage, args.items))
                  for stage in args.stages.split(",") for workers in args.workers]
     print(_format(per_stage), flush=True)
-    mixed = bench_mixed(str(_model_dir(args)), args.mixed_requests, args.output_len) \
+    mixed = bench_mixed(str(model_dir_from_args(args)), args.mixed_requests, args.output_len) \
         if args.mixed_requests else []
     if mixed:
         print(_format(mixed))
@@ -220,6 +220,8 @@ def run_bench_stages(args: argparse.Namespace) -> int:
 
 
 def register_stages(bench_commands) -> None:
+    from foveal.bench.cli import add_model_source_args
+
     parser = bench_commands.add_parser(
         "stages", help="preprocessing stage throughput and latency, and a mixed workload",
         description=__doc__.split("\n\n")[0])
@@ -230,9 +232,6 @@ def register_stages(bench_commands) -> None:
     parser.add_argument("--mixed-requests", type=int, default=12,
                         help="requests in the mixed workload (0: skip it)")
     parser.add_argument("--output-len", type=int, default=8, help="tokens per mixed request")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="checkpoint folder for the mixed workload")
-    source.add_argument("--dummy", default="tiny-qwen2-vl", metavar="PRESET",
-                        help="random-weight preset when no --model (default tiny-qwen2-vl)")
+    add_model_source_args(parser, default_dummy="tiny-qwen2-vl")  # for the mixed workload
     parser.add_argument("--json", metavar="OUT", help="write every number here")
     parser.set_defaults(func=run_bench_stages)

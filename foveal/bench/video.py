@@ -228,11 +228,11 @@ def _clip_size(value: str) -> tuple[int, int]:
 
 
 def run_bench_video(args: argparse.Namespace) -> int:
-    from foveal.bench.cli import _model_dir
+    from foveal.bench.cli import model_dir_from_args
     from foveal.entrypoints.cli_args import engine_kwargs
 
     width, height = args.clip_size
-    plan = VideoBenchPlan(model_dir=_model_dir(args),
+    plan = VideoBenchPlan(model_dir=model_dir_from_args(args),
                           clip=ClipSpec(args.clip_seconds, width, height, args.clip_fps, args.seed),
                           fps=args.fps, max_pixels=args.max_pixels, output_len=args.output_len,
                           repeats=args.repeats, engine_kwargs=engine_kwargs(args))
@@ -255,14 +255,14 @@ def run_bench_video(args: argparse.Namespace) -> int:
 
 
 def register_video(bench_commands) -> None:
+    from foveal.bench.cli import add_model_source_args
+
     from foveal.entrypoints.cli_args import add_engine_args
 
     parser = bench_commands.add_parser(
         "video", help="video downsampling dial: visual tokens and TTFT per fps x max_pixels",
         description=__doc__.split("\n\n")[1])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="Hugging Face checkpoint folder")
-    source.add_argument("--dummy", metavar="PRESET", help="random-weight checkpoint of a preset")
+    add_model_source_args(parser)
     clip = parser.add_argument_group("test clip (seeded by --seed)")
     clip.add_argument("--clip-seconds", type=float, default=10.0)
     clip.add_argument("--clip-size", type=_clip_size, default=(640, 360), help="WIDTHxHEIGHT")
