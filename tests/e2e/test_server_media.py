@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 import io
 import shutil
 import subprocess
-import threading
 import time
 
 import av
@@ -32,6 +31,7 @@ from foveal.stages.base import Stage
 from foveal.stages.config import StagesConfig
 from foveal.stages.service import StagePools
 from tests.stages.stage_documents import make_text_pdf
+from tests.unit.test_media_fetch import loopback_http_server
 
 GREEDY = {"temperature": 0.0, "max_tokens": 4}
 CHAT = "/v1/chat/completions"
@@ -87,15 +87,8 @@ def bytes_http_server(files: dict[str, bytes]):
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_http_server(Handler) as base_url:
+        yield base_url
 
 
 @contextlib.contextmanager

@@ -62,7 +62,14 @@ class _MediaHandler(http.server.BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def media_http_server():
     """Yields the base URL of a local media server on 127.0.0.1."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _MediaHandler)
+    with loopback_http_server(_MediaHandler) as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def loopback_http_server(handler: type):
+    """Serves `handler` on a free 127.0.0.1 port in a thread; yields the base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads, server.block_on_close = True, False
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               daemon=True)
