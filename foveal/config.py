@@ -1,6 +1,6 @@
 """Frozen configuration, one dataclass per subsystem.
 
-HF `config.json` is read once, here at the edge (`ModelConfig.from_hf`);
+HF `config.json` is read once, at the edge (`foveal.loader.hf_config`);
 layers and models take these dataclasses or plain ints, never an HF config.
 """
 from __future__ import annotations
@@ -56,16 +56,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     path: str | None = None  # checkpoint folder; None for dummy weights
 
-    @classmethod
-    def from_hf(cls, path: str) -> "ModelConfig":
-        from foveal.loader.hf_config import model_config_from_hf
-
-        return model_config_from_hf(path)
-
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
+    # Storage dtype of KV blocks: "auto" (the model's dtype) or a dtype name.
+    kv_cache_dtype: str = "auto"
     # Bytes for the KV pool; None: gpu_memory_utilization of free device memory
     # (CUDA) or cpu_kv_cache_fraction of available RAM (CPU).
     kv_cache_memory_bytes: int | None = None
@@ -90,6 +86,20 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over worker processes."""
+
+    tensor_parallel_size: int = 1
+    # Executor name in foveal.executor's registry: "uni" runs the one worker in
+    # the engine's own process.
+    distributed_executor_backend: str = "uni"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
 class MultimodalConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
     max_image_pixels: int = 50_000_000
@@ -104,6 +114,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     multimodal: MultimodalConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dtype: str = "float32"  # resolved torch dtype name
     device: str = "cpu"  # resolved device
     load_format: str = "auto"  # "auto" (safetensors) | "dummy"

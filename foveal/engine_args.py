@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from foveal.config import (CacheConfig, EngineConfig, ModelConfig, MultimodalConfig,
+from foveal.config import (CacheConfig, EngineConfig, MultimodalConfig, ParallelConfig,
                            SchedulerConfig)
 from foveal.errors import ConfigError
 
@@ -23,6 +23,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 16384
     encoder_compute_budget: int = 16384
@@ -35,6 +36,8 @@ class EngineArgs:
     kv_offload: str | None = None
     kv_offload_bytes: int = 1 << 30
     kv_offload_path: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -45,11 +48,12 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        from foveal.loader.hf_config import model_config_from_hf
         from foveal.worker.device import resolve_device, resolve_dtype
 
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
-        model_config = ModelConfig.from_hf(self.model)
+        model_config = model_config_from_hf(self.model)
         device = resolve_device(self.device)
         max_model_len = self.max_model_len or model_config.text.max_position_embeddings
         if max_model_len > model_config.text.max_position_embeddings:
@@ -57,10 +61,11 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={model_config.text.max_position_embeddings}")
         self._check_cache_options()
+        parallel = self._parallel_config()
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
         return EngineConfig(
             model=model_config,
-            cache=CacheConfig(block_size=self.block_size,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               enable_prefix_caching=self.enable_prefix_caching,
@@ -75,15 +80,36 @@ class EngineArgs:
                                         max_image_pixels=self.max_image_pixels,
                                         mm_processor_kwargs=dict(self.mm_processor_kwargs),
                                         processor_cache_size=self.processor_cache_size),
+            parallel=parallel,
             dtype=resolve_dtype(self.dtype, device),
             device=device,
             load_format=self.load_format,
             seed=self.seed,
         )
 
+    def _parallel_config(self) -> ParallelConfig:
+        from foveal.executor import executor_names
+
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"tensor_parallel_size={size!r}; use a positive int (-tp N)")
+        backend = self.distributed_executor_backend or "uni"
+        if backend not in executor_names():
+            raise ConfigError(f"distributed_executor_backend={backend!r} is unknown; registered: "
+                              f"{executor_names()} (--distributed-executor-backend)")
+        if size > 1 and backend == "uni":
+            raise ConfigError(f"tensor_parallel_size={size} needs one worker process per rank, "
+                              "and the only executor here is 'uni' (one process); "
+                              "use tensor_parallel_size=1")
+        return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend)
+
     def _check_cache_options(self) -> None:
+        from foveal.worker.device import DTYPE_NAMES
         from foveal.worker.kv_offload import BLOCK_STORES
 
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPE_NAMES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}; use auto or one of "
+                              f"{', '.join(DTYPE_NAMES)} (--kv-cache-dtype)")
         if self.processor_cache_size < 0:
             raise ConfigError(f"processor_cache_size={self.processor_cache_size}; use bytes >= 0 "
                               "(0 turns the processor cache off)")

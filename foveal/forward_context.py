@@ -46,18 +46,21 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
-    # One entry per decoder layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
+    # One entry per decoder layer, laid out as foveal/layers/attention/kv_spec.py says:
+    # (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv_caches: list[torch.Tensor]
+    # Per layer, the scales stored beside quantized blocks; None for float caches.
+    kv_scales: list[torch.Tensor] | None = None
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(attn_metadata: AttentionMetadata | None,
-                    kv_caches: list[torch.Tensor]) -> Iterator[ForwardContext]:
+def forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
+                    kv_scales: list[torch.Tensor] | None = None) -> Iterator[ForwardContext]:
     global _current
-    previous, _current = _current, ForwardContext(attn_metadata, kv_caches)
+    previous, _current = _current, ForwardContext(attn_metadata, kv_caches, kv_scales)
     try:
         yield _current
     finally:

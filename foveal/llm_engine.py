@@ -8,6 +8,7 @@ import itertools
 from typing import Any
 
 from foveal.config import EngineConfig
+from foveal.engine.core import EngineCore
 from foveal.engine.output import OutputProcessor, RequestOutput
 from foveal.engine.request import RequestStatus
 from foveal.input_processor import InputProcessor, PromptType
@@ -16,13 +17,15 @@ from foveal.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        from foveal.worker.executor import build_engine_core
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        """core: an engine core built elsewhere (e.g. with injected connectors);
+        by default one is built from the config."""
+        from foveal.executor import build_engine_core
 
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model.path)
         self.input_processor = InputProcessor(config, self.tokenizer)
-        self.core = build_engine_core(config)
+        self.core = core or build_engine_core(config)
         self.executor = self.core.executor
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

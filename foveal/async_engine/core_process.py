@@ -42,7 +42,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.connect(output_address)
     executor = None
     try:
-        from foveal.worker.executor import build_engine_core
+        from foveal.executor import build_engine_core
 
         core = build_engine_core(config)
         executor = core.executor

@@ -9,6 +9,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from foveal.bench.model_source import add_model_source_args, model_dir_from_args
+from foveal.bench.multiturn import register_multiturn
+from foveal.bench.serve import register_serve
+from foveal.bench.stages import register_stages
+from foveal.bench.video import register_video
 from foveal.bench.workload import add_workload_args, workload_spec_from_args
 from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
 from foveal.errors import ConfigError
@@ -22,24 +27,6 @@ def _batch_sizes(value: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {value!r}")
     return sizes
-
-
-def add_model_source_args(parser: argparse.ArgumentParser, default_dummy: str | None = None) -> None:
-    """--model DIR | --dummy PRESET, shared by every offline benchmark."""
-    source = parser.add_mutually_exclusive_group(required=default_dummy is None)
-    source.add_argument("--model", help="Hugging Face checkpoint folder")
-    source.add_argument("--dummy", metavar="PRESET", default=default_dummy,
-                        help="random-weight checkpoint of a preset (tiny-qwen2-vl, "
-                             "tiny-qwen2.5-vl, small, ...), built once into the cache")
-
-
-def model_dir_from_args(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model)
-    from foveal.entrypoints.demo import default_cache_dir
-    from foveal.loader.tiny_model import ensure_tiny_checkpoint
-
-    return ensure_tiny_checkpoint(default_cache_dir() / args.dummy, args.dummy)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -116,14 +103,7 @@ def register(subparsers) -> None:
     add_engine_args(throughput)
     throughput.set_defaults(func=run_bench_throughput)
 
-    from foveal.bench.serve import register_serve
-
     register_serve(bench_commands)
-    from foveal.bench.multiturn import register_multiturn
     register_multiturn(bench_commands)
-    from foveal.bench.stages import register_stages
-
     register_stages(bench_commands)
-    from foveal.bench.video import register_video
-
     register_video(bench_commands)

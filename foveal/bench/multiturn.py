@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from foveal.bench.model_source import add_model_source_args, model_dir_from_args
+from foveal.bench.workload import parse_image_size
+from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
 from foveal.sampling_params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -158,13 +161,11 @@ def run_offload(model_dir: Path, spec: MultiturnSpec, engine_kwargs: dict,
 def small_pool_bytes(model_dir: Path, engine_kwargs: dict) -> int:
     """KV bytes for one max_model_len request plus a few blocks."""
     from foveal.engine_args import EngineArgs
-    from foveal.worker.device import torch_dtype
-    from foveal.worker.kv_cache import kv_cache_bytes_per_block
+    from foveal.worker.kv_cache import kv_cache_spec
 
     config = EngineArgs.from_kwargs(str(model_dir), **engine_kwargs).create_engine_config()
-    block = config.cache.block_size
-    block_bytes = kv_cache_bytes_per_block(config.model, block, torch_dtype(config.dtype))
-    return (-(-config.scheduler.max_model_len // block) + 4) * block_bytes
+    spec = kv_cache_spec(config.model, config.cache, config.dtype)
+    return (-(-config.scheduler.max_model_len // spec.block_size) + 4) * spec.block_bytes
 
 
 def run_multiturn(model_dir: Path, spec: MultiturnSpec, engine_kwargs: dict) -> dict:
@@ -200,10 +201,6 @@ def format_report(report: dict) -> str:
 
 
 def run_bench_multiturn(args: argparse.Namespace) -> int:
-    from foveal.bench.cli import model_dir_from_args
-    from foveal.bench.workload import parse_image_size
-    from foveal.entrypoints.cli_args import engine_kwargs
-
     spec = MultiturnSpec(args.num_conversations, parse_image_size(args.image_size),
                          args.output_len, args.seed)
     model_dir = model_dir_from_args(args)
@@ -220,8 +217,6 @@ def run_bench_multiturn(args: argparse.Namespace) -> int:
 
 
 def register_multiturn(bench_commands) -> None:
-    from foveal.bench.cli import add_model_source_args
-
     parser = bench_commands.add_parser(
         "multiturn", help="multi-turn image chat: caching on vs off, offload tier",
         description=__doc__.split("\n\n")[0])
@@ -231,7 +226,5 @@ def register_multiturn(bench_commands) -> None:
     parser.add_argument("--output-len", type=int, default=32,
                         help="output tokens per request of the 0%%-hit throughput batch")
     parser.add_argument("--json", metavar="OUT", help="write every number here")
-    from foveal.entrypoints.cli_args import add_engine_args
-
     add_engine_args(parser)
     parser.set_defaults(func=run_bench_multiturn)

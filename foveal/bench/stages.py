@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from foveal.bench.model_source import add_model_source_args, model_dir_from_args
 from foveal.errors import ConfigError
 
 _SENTENCES = ("Please open the front door.", "The meeting starts after lunch.",
@@ -205,8 +206,6 @@ def _format(rows: list[dict]) -> str:
 
 
 def run_bench_stages(args: argparse.Namespace) -> int:
-    from foveal.bench.cli import model_dir_from_args
-
     per_stage = [bench_stage(stage, workers, stage_items(stage, args.items))
                  for stage in args.stages.split(",") for workers in args.workers]
     print(_format(per_stage), flush=True)
@@ -220,8 +219,6 @@ def run_bench_stages(args: argparse.Namespace) -> int:
 
 
 def register_stages(bench_commands) -> None:
-    from foveal.bench.cli import add_model_source_args
-
     parser = bench_commands.add_parser(
         "stages", help="preprocessing stage throughput and latency, and a mixed workload",
         description=__doc__.split("\n\n")[0])

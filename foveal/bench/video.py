@@ -32,9 +32,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-
 from foveal.bench.clip import ClipSpec, write_clip
-from foveal.errors import ConfigError, FovealError
+from foveal.bench.model_source import add_model_source_args, model_dir_from_args
+from foveal.bench.workload import PromptVocab, parse_image_size
+from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
+from foveal.errors import CheckpointError, ConfigError, FovealError
 
 _WARMUP_CLIP_SIDE = 64
 _PROMPT_TEXT_TOKENS = 8
@@ -116,8 +118,6 @@ def _warmup_clip(clip: ClipSpec) -> ClipSpec:
 
 def _prompt_token_ids(model_dir: Path) -> list[int]:
     """<|vision_start|><|video_pad|><|vision_end|> then a few ordinary tokens."""
-    from foveal.bench.workload import PromptVocab
-    from foveal.errors import CheckpointError
     from foveal.tokenizer import Tokenizer
 
     vocab = PromptVocab.from_model_dir(model_dir)
@@ -218,8 +218,6 @@ def write_plot(rows: list[dict], path: Path) -> None:
 
 
 def _clip_size(value: str) -> tuple[int, int]:
-    from foveal.bench.workload import parse_image_size
-
     try:
         return parse_image_size(value)
     except ConfigError:
@@ -228,9 +226,6 @@ def _clip_size(value: str) -> tuple[int, int]:
 
 
 def run_bench_video(args: argparse.Namespace) -> int:
-    from foveal.bench.cli import model_dir_from_args
-    from foveal.entrypoints.cli_args import engine_kwargs
-
     width, height = args.clip_size
     plan = VideoBenchPlan(model_dir=model_dir_from_args(args),
                           clip=ClipSpec(args.clip_seconds, width, height, args.clip_fps, args.seed),
@@ -255,10 +250,6 @@ def run_bench_video(args: argparse.Namespace) -> int:
 
 
 def register_video(bench_commands) -> None:
-    from foveal.bench.cli import add_model_source_args
-
-    from foveal.entrypoints.cli_args import add_engine_args
-
     parser = bench_commands.add_parser(
         "video", help="video downsampling dial: visual tokens and TTFT per fps x max_pixels",
         description=__doc__.split("\n\n")[1])

@@ -9,9 +9,10 @@ from foveal.engine.scheduler import Scheduler
 
 
 class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+    def execute(self, plan: StepPlan, mm_payloads: dict[str, dict]) -> ModelRunnerOutput:
         """Run one step. A plan may schedule no tokens and only carry
-        finished_request_ids / freed_mm_hashes for the workers to drop."""
+        finished_request_ids / freed_mm_hashes for the workers to drop.
+        mm_payloads: mm_hash -> array data (pixels) of the items it encodes."""
 
 
 class EngineCore:
@@ -31,8 +32,18 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids and not plan.freed_mm_hashes:
             return []
-        runner_output = self.executor.execute(plan)
+        runner_output = self.executor.execute(plan, self._encoder_payloads(plan))
         return self.scheduler.update_from_output(plan, runner_output)
+
+    def _encoder_payloads(self, plan: StepPlan) -> dict[str, dict]:
+        """Pixels travel beside the plan, once per encode: only for the items
+        the workers run through the encoder this step."""
+        payloads: dict[str, dict] = {}
+        for request_id, indices in plan.scheduled_encoder_inputs.items():
+            features = self.scheduler.requests[request_id].mm_features
+            for index in indices:
+                payloads.setdefault(features[index].mm_hash, features[index].payload)
+        return payloads
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

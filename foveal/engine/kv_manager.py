@@ -153,12 +153,29 @@ class KVCacheManager:
         self._num_registered.pop(request.request_id, None)
         # Tail blocks first, so a prefix chain is evicted from its end.
         for block_id in reversed(table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
-                if self._block_hashes[block_id] is None:
-                    # Holds nothing reusable: hand it out before cached blocks.
-                    self._free.move_to_end(block_id, last=False)
+            self._release(block_id)
+
+    def trim(self, request: Request, num_tokens: int) -> list[int]:
+        """Give back the trailing blocks the request's first num_tokens do not
+        reach (slots of rejected drafts); returns the freed block ids."""
+        table = self._tables.get(request.request_id, [])
+        keep = self.blocks_needed(num_tokens)
+        trailing = table[keep:]
+        del table[keep:]
+        registered = self._num_registered.get(request.request_id)
+        if registered is not None:
+            self._num_registered[request.request_id] = min(registered, keep)
+        for block_id in reversed(trailing):
+            self._release(block_id)
+        return trailing
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free[block_id] = None
+            if self._block_hashes[block_id] is None:
+                # Holds nothing reusable: hand it out before cached blocks.
+                self._free.move_to_end(block_id, last=False)
 
     def _take_cached(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:

@@ -193,11 +193,26 @@ class OutputProcessor:
         return hit_stop_string
 
     def _detokenize(self, state: _RequestState, output: EngineCoreOutput) -> bool:
+        """Fold new tokens into the text; True if a stop string ended it.
+
+        With stop strings, a run of several tokens (speculative decoding) is
+        read token by token: the tokens after the one that completes a stop
+        string are dropped, as if they had never been generated.
+        """
         params = state.params
         token_ids = output.new_token_ids
         stopped_on_token = output.finish_reason == "stop" and isinstance(output.stop_reason, int)
         if stopped_on_token and not params.include_stop_str_in_output:
             token_ids = token_ids[:-1]
+        runs = [token_ids] if not params.stop else [[t] for t in token_ids]
+        for count, run in enumerate(runs, start=1):
+            if self._detokenize_run(state, run):
+                self._drop_tokens_after(state, output, sum(len(r) for r in runs[:count]))
+                return True
+        return False
+
+    def _detokenize_run(self, state: _RequestState, token_ids: list[int]) -> bool:
+        params = state.params
         new_text = state.detokenizer.update(token_ids) if token_ids else ""
         state.text += new_text
         found = find_stop_string(state.text, len(new_text), params.stop) if new_text else None
@@ -207,6 +222,18 @@ class OutputProcessor:
         state.text = state.text[:index + len(stop) if params.include_stop_str_in_output else index]
         state.finish_reason, state.stop_reason = "stop", stop
         return True
+
+    @staticmethod
+    def _drop_tokens_after(state: _RequestState, output: EngineCoreOutput, num_kept: int) -> None:
+        """Forget this step's tokens after the first num_kept (and their logprobs)."""
+        num_dropped = len(output.new_token_ids) - num_kept
+        if num_dropped <= 0:
+            return
+        del state.token_ids[-num_dropped:]
+        if state.logprobs is not None:
+            for position in output.new_logprobs[num_kept:]:
+                state.cumulative_logprob -= position.logprobs[0]
+            del state.logprobs[-num_dropped:]
 
     def _append_logprobs(self, state: _RequestState, new_logprobs: list[Logprobs]) -> None:
         if state.logprobs is None:

@@ -17,6 +17,9 @@ class NewRequestData:
     """A request the workers have not seen yet (or see again after preemption).
 
     token_ids holds every known token: prompt plus outputs generated so far.
+    mm_features carry no pixels (MMFeature.without_payload): their plain data
+    (grid, timing) is what position rules need; pixels reach the workers once,
+    by mm_hash, beside the plan of the step that encodes them.
     """
 
     request_id: str
@@ -29,11 +32,16 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the workers already hold: only what changed this step."""
+    """A request the workers already hold: only what changed this step.
+
+    Workers drop the last num_trimmed_blocks of their block table (given back
+    after rejected drafts), then append new_block_ids.
+    """
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    num_trimmed_blocks: int = 0
 
 
 @dataclass
@@ -55,6 +63,20 @@ class KVTransferPlan:
 
 
 @dataclass
+class EncoderTransferPlan:
+    """Encoder outputs moving between the workers' encoder cache and an encoder
+    connector (a shared embedding store, or an encode worker for
+    disaggregation), keyed by mm_hash. Loads run before the step's encoder,
+    saves after it."""
+
+    loads: list[str] = field(default_factory=list)
+    saves: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)
+
+
+@dataclass
 class StepPlan:
     """One engine step.
 
@@ -63,19 +85,27 @@ class StepPlan:
         reaches its known token count this step gets a token sampled.
     scheduled_encoder_inputs: request id -> indices into its mm_features to run
         through the vision encoder this step (before the LLM forward).
+    scheduled_spec_decode_tokens: request id -> draft tokens to verify this
+        step. They are the last len(draft) of that request's scheduled
+        tokens; the workers sample every verified position and return the
+        accepted run plus one token.
     freed_mm_hashes: encoder-cache entries the workers may drop.
     finished_request_ids: requests that ended since the last step (finished or
         aborted); workers drop their state.
     kv_transfer: block copies to and from the KV offload tier, or None.
+    encoder_transfer: encoder outputs to load from / save to an encoder
+        connector, or None.
     """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     freed_mm_hashes: list[str] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     kv_transfer: KVTransferPlan | None = None
+    encoder_transfer: EncoderTransferPlan | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -101,11 +131,13 @@ class Logprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """What a step produced: one sampled token per request that reached the
-    end of its known tokens (requests mid-prefill are absent)."""
+    """What a step produced for each request that reached the end of its known
+    tokens (requests mid-prefill are absent): the tokens it accepted, in
+    order. One token without speculation; with draft tokens, the accepted
+    drafts plus the token sampled after them."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # one per token
     num_encoder_items_run: int = 0
     # request id -> error message for requests whose inputs failed in the
     # worker (e.g. an encoder input that could not be run); they fail alone.

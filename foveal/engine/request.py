@@ -48,6 +48,8 @@ class Request:
     num_cached_tokens:   prefix-cache hit at first admission; -1 before it.
     block_hashes:        prefix hashes of the full blocks of all_token_ids
                          computed so far (filled by the KV manager).
+    spec_token_ids:      draft tokens a proposer guessed after all_token_ids,
+                         scheduled for verification like any other tokens.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class Request:
         self.stop_reason: int | None = None
         self.error_message: str | None = None
         self.block_hashes: list[bytes] = []
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,6 +88,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_visual_tokens(self) -> int:

@@ -6,7 +6,14 @@ Prefill chunks, decodes, prefix hits and recompute after preemption all fall
 out of that rule; there are no prefill and decode phases. Media items are
 encoded in the step whose window first overlaps their placeholder range, if
 the encoder compute budget and cache allow; otherwise the window ends before
-the item and the request waits.
+the item and the request waits. Draft tokens (speculative decoding) are more
+tokens to catch up with: a request's target is num_tokens + its drafts, and
+the drafts a step rejects are rolled back (computed count and trailing KV
+blocks) when its output comes back.
+
+The scheduler owns no policy objects of its own making: the KV manager (with
+its KV connector), the encoder budget and the encoder connector are passed in
+(`build_scheduler` makes the default ones from the config).
 """
 from __future__ import annotations
 
@@ -15,11 +22,13 @@ from dataclasses import dataclass
 
 from foveal.config import CacheConfig, SchedulerConfig
 from foveal.engine.encoder_budget import EncoderBudget
+from foveal.engine.encoder_connector import EncoderConnector
 from foveal.engine.kv_manager import KVCacheManager
 from foveal.engine.kv_offload import OffloadTier
 from foveal.engine.plan import CachedRequestData, ModelRunnerOutput, NewRequestData, StepPlan
 from foveal.engine.request import EngineCoreOutput, Request, RequestStatus
 from foveal.engine.stats import SchedulerStats
+from foveal.engine.stop import append_tokens
 from foveal.errors import ContextLengthError, InvalidRequestError
 
 
@@ -30,33 +39,32 @@ class _StepBudget:
     preempted: bool = False
 
 
-def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
-    """Finish status after the last appended token, or None to keep going."""
-    params = request.sampling_params
-    token_id = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token_id in params.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    if request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    return None
+def build_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                    num_blocks: int, block_bytes: int = 0,
+                    encoder_connector: EncoderConnector | None = None) -> "Scheduler":
+    """A scheduler with the default KV manager, offload tier and encoder budget.
+
+    block_bytes: KV bytes of one block (all layers), sizes the offload tier.
+    """
+    offload = (OffloadTier(cache_config.kv_offload_bytes // max(block_bytes, 1), block_bytes)
+               if cache_config.kv_offload else None)
+    kv = KVCacheManager(num_blocks, cache_config.block_size,
+                        cache_config.enable_prefix_caching, offload)
+    return Scheduler(scheduler_config, kv, EncoderBudget(cache_config.encoder_cache_size),
+                     encoder_connector)
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, block_bytes: int = 0):
-        """block_bytes: KV bytes of one block (all layers), sizes the offload tier."""
+    def __init__(self, scheduler_config: SchedulerConfig, kv: KVCacheManager,
+                 encoder: EncoderBudget, encoder_connector: EncoderConnector | None = None):
+        """kv: the KV block manager, with its KV connector (offload tier or a
+        remote peer) if any. encoder_connector: a second source of encoder
+        outputs keyed by mm_hash; an item it holds is loaded, not encoded."""
         self.config = scheduler_config
-        self.offload = (OffloadTier(cache_config.kv_offload_bytes // max(block_bytes, 1),
-                                    block_bytes) if cache_config.kv_offload else None)
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching, self.offload)
-        self.encoder = EncoderBudget(cache_config.encoder_cache_size)
+        self.kv = kv
+        self.offload = kv.offload
+        self.encoder = encoder
+        self.encoder_connector = encoder_connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -133,25 +141,43 @@ class Scheduler:
             # Copies wait for a plan the workers run; no forward overwrites a
             # block in between, so a late save still reads the evicted KV.
             plan.kv_transfer = self.offload.take_transfers() or None
+        if self.encoder_connector is not None:
+            plan.encoder_transfer = self.encoder_connector.take_transfers() or None
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
         index = 0
         while index < len(self.running) and budget.tokens_left > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens_left)
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens,
+                          budget.tokens_left,
+                          self.config.max_model_len - request.num_computed_tokens)
             if not self._allocate_or_preempt(request, num_new, plan, budget):
                 break  # the request preempted itself: it was the last one
             index += 1
             num_new, encoder_inputs = self._schedule_encoder(request, num_new, budget)
             if num_new == 0:
                 continue
-            sent = self._num_blocks_sent[request.request_id]
-            new_block_ids = self.kv.block_ids(request.request_id)[sent:]
-            self._num_blocks_sent[request.request_id] += len(new_block_ids)
-            plan.cached_requests.append(CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens))
+            plan.cached_requests.append(self._cached_request_data(request))
             self._record(plan, budget, request, num_new, encoder_inputs)
+            self._record_drafts(plan, request, num_new)
+
+    def _cached_request_data(self, request: Request) -> CachedRequestData:
+        """What the workers must change in their copy of the block table."""
+        block_ids = self.kv.block_ids(request.request_id)
+        sent = self._num_blocks_sent[request.request_id]
+        num_trimmed = max(0, sent - len(block_ids))  # rolled back since last sent
+        kept = sent - num_trimmed
+        self._num_blocks_sent[request.request_id] = len(block_ids)
+        return CachedRequestData(request.request_id, block_ids[kept:],
+                                 request.num_computed_tokens, num_trimmed)
+
+    def _record_drafts(self, plan: StepPlan, request: Request, num_new: int) -> None:
+        """The drafts among this step's tokens: those past the known tokens."""
+        num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+        if num_drafts > 0:
+            plan.scheduled_spec_decode_tokens[request.request_id] = \
+                request.spec_token_ids[:num_drafts]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
                              budget: _StepBudget) -> bool:
@@ -170,6 +196,7 @@ class Scheduler:
         self.encoder.release_all(request.request_id)
         self._num_blocks_sent.pop(request.request_id, None)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
@@ -195,7 +222,8 @@ class Scheduler:
             block_ids = self.kv.block_ids(request.request_id)
             self._num_blocks_sent[request.request_id] = len(block_ids)
             plan.new_requests.append(NewRequestData(
-                request.request_id, list(request.all_token_ids), request.mm_features,
+                request.request_id, list(request.all_token_ids),
+                [feature.without_payload() for feature in request.mm_features],
                 request.sampling_params, block_ids, request.num_computed_tokens))
             self._record(plan, budget, request, num_new, encoder_inputs)
 
@@ -226,10 +254,18 @@ class Scheduler:
                 continue
             cached = self.encoder.has(feature.mm_hash)
             if not cached:
-                if not self.encoder.can_allocate(feature, budget.encoder_tokens_left):
+                remote = (self.encoder_connector is not None
+                          and self.encoder_connector.contains(feature.mm_hash))
+                compute_left = budget.encoder_tokens_left if not remote else feature.num_encoder_tokens
+                if not self.encoder.can_allocate(feature, compute_left):
                     return max(0, placeholder.offset - start), to_encode
-                budget.encoder_tokens_left -= feature.num_encoder_tokens
-                to_encode.append(index)
+                if remote:
+                    self.encoder_connector.load(feature.mm_hash)
+                else:
+                    budget.encoder_tokens_left -= feature.num_encoder_tokens
+                    to_encode.append(index)
+                    if self.encoder_connector is not None:
+                        self.encoder_connector.on_encode(feature.mm_hash)
             self.encoder.allocate(request.request_id, feature)
             self.stats.encoder_cache_queries += 1
             self.stats.encoder_cache_hits += cached
@@ -253,13 +289,28 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or failed since the plan was made
+            token_ids = runner_output.sampled_token_ids.get(request_id, [])
             request.num_computed_tokens += num_new
+            self._roll_back_drafts(request, plan.scheduled_spec_decode_tokens.get(request_id),
+                                   token_ids)
             self.kv.cache_full_blocks(request)
             self._release_consumed_items(request)
-            token_id = runner_output.sampled_token_ids.get(request_id)
-            if token_id is not None:
-                outputs.append(self._append_token(request, token_id, runner_output))
+            if token_ids:
+                outputs.append(self._append_tokens(request, token_ids, runner_output))
         return outputs
+
+    def _roll_back_drafts(self, request: Request, drafts: list[int] | None,
+                          token_ids: list[int]) -> None:
+        """Forget the KV of rejected drafts: a run of n tokens accepts n - 1 drafts."""
+        request.spec_token_ids = []
+        if not drafts:
+            return
+        num_rejected = len(drafts) + 1 - len(token_ids) if token_ids else len(drafts)
+        if num_rejected > 0:
+            request.num_computed_tokens -= num_rejected
+            self.kv.trim(request, request.num_computed_tokens)
+            self.stats.num_draft_tokens_rejected += num_rejected
+        self.stats.num_draft_tokens += len(drafts)
 
     def _release_consumed_items(self, request: Request) -> None:
         # The same media may appear twice in a prompt: keep it while still needed.
@@ -269,17 +320,15 @@ class Scheduler:
             if feature.placeholder.end <= computed and feature.mm_hash not in still_needed:
                 self.encoder.release(request.request_id, feature.mm_hash)
 
-    def _append_token(self, request: Request, token_id: int,
-                      runner_output: ModelRunnerOutput) -> EngineCoreOutput:
-        request.append_output_token(token_id)
-        self.stats.generation_tokens += 1
-        status = check_stop(request, self.config.max_model_len)
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       runner_output: ModelRunnerOutput) -> EngineCoreOutput:
+        kept, status = append_tokens(request, token_ids, self.config.max_model_len)
+        self.stats.generation_tokens += len(kept)
         if status is not None:
             self._finish(request, status)
-        logprobs = runner_output.logprobs.get(request.request_id)
-        return EngineCoreOutput(
-            request.request_id, [token_id], request.status.finish_reason, request.stop_reason,
-            [logprobs] if logprobs is not None else [], request.num_cached_tokens)
+        logprobs = runner_output.logprobs.get(request.request_id, [])[:len(kept)]
+        return EngineCoreOutput(request.request_id, kept, request.status.finish_reason,
+                                request.stop_reason, logprobs, request.num_cached_tokens)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End a request and return everything it held."""

@@ -20,6 +20,8 @@ class SchedulerStats:
     kv_offload_saves: int = 0  # blocks copied into it
     kv_offload_bytes: int = 0  # gauge: bytes it holds
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative tokens verified
+    num_draft_tokens_rejected: int = 0
     finished: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(FINISH_REASONS.values(), 0))
 
@@ -37,6 +39,9 @@ class SchedulerStats:
             "foveal:kv_offload_saves_total": self.kv_offload_saves,
             "foveal:kv_offload_bytes": self.kv_offload_bytes,
             "foveal:num_preemptions_total": self.num_preemptions,
+            "foveal:spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+            "foveal:spec_decode_num_accepted_tokens_total":
+                self.num_draft_tokens - self.num_draft_tokens_rejected,
             "foveal:kv_cache_usage_perc": kv_cache_usage,
             "foveal:num_requests_running": num_running,
             "foveal:num_requests_waiting": num_waiting,

@@ -43,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-bytes", type=int,
                        help="KV pool size (default: a fraction of free memory)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       help="KV block storage: auto (the model dtype), float32, bfloat16, float16")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", help="turn prefix caching off")
     group.add_argument("--encoder-cache-size", type=int, default=16384,
@@ -65,13 +67,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-offload-bytes", type=int, default=1 << 30,
                        help="size of the KV offload tier")
     group.add_argument("--kv-offload-path", help="folder for --kv-offload disk")
+    group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                       help="worker processes the model is split over")
+    group.add_argument("--distributed-executor-backend",
+                       help="executor that runs the workers (default: uni, in-process)")
 
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "load_format",
                 "encoder_cache_size", "encoder_compute_budget",
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
-                "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path")
+                "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
+                "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     if engine_config.load_format == "dummy":
         init_dummy_weights(model, engine_config.seed)
     elif engine_config.load_format in ("auto", "safetensors"):
-        loaded = model.load_weights(iterate_checkpoint(engine_config.model.path))
+        loaded = load_named_weights(model, iterate_checkpoint(engine_config.model.path))
         missing = set(dict(model.named_parameters())) - loaded
         if missing:
             raise CheckpointError(f"checkpoint {engine_config.model.path} lacks weights: "

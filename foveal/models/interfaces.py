@@ -6,11 +6,12 @@ only embeddings and positions.
 """
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 
 from foveal.config import ModelConfig
+from foveal.models.positions import PositionRule
 from foveal.multimodal.inputs import MMFeature
 
 
@@ -27,17 +28,18 @@ class SupportsMultiModal(Protocol):
         """
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(T, hidden), positions (3, T) M-RoPE ids -> final hidden states (T, hidden)."""
+        """(T, hidden), positions ((A, T) for a rule with A > 1 axes, else (T,))
+        -> final hidden states (T, hidden)."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names of the parameters loaded."""
+    # Weight-name tables that foveal.loader.weights reads to load a checkpoint;
+    # a model never loads itself. Checkpoint prefix -> module prefix, first match wins.
+    weight_prefixes: tuple[tuple[str, str], ...]
+    # Checkpoint module name -> (fused module name, shard id passed to its weight_loader).
+    packed_modules: dict[str, tuple[str, object]]
 
-    @staticmethod
-    def get_mrope_positions(config: ModelConfig, token_ids: list[int],
-                            mm_features: list[MMFeature]) -> tuple[torch.Tensor, int]:
-        """M-RoPE position ids (3, len(token_ids)) int64 for a prompt, and the
-        delta such that a token at index i >= len(token_ids) has position i + delta
-        on all three axes."""
+    @classmethod
+    def position_rule(cls, config: ModelConfig) -> PositionRule:
+        """How this family places tokens (foveal/models/positions.py)."""

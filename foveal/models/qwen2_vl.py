@@ -5,14 +5,13 @@ tables below, read by foveal.loader.weights.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
 from foveal.config import ModelConfig
 from foveal.errors import PlaceholderMismatchError
 from foveal.layers.embed_head import ParallelLMHead
+from foveal.models.positions import MRopePositions
 from foveal.models.qwen2 import Qwen2Model
 from foveal.models.qwen_vision import VisionTransformer
 from foveal.multimodal.inputs import MMFeature
@@ -109,10 +108,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()  # (N, vocab)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        from foveal.loader.weights import load_named_weights
-
-        return load_named_weights(self, weights)
+    @classmethod
+    def position_rule(cls, config: ModelConfig) -> MRopePositions:
+        return MRopePositions(config, cls.get_mrope_positions)
 
     @staticmethod
     def get_mrope_positions(config: ModelConfig, token_ids: list[int],

@@ -1,7 +1,10 @@
 """What a processed media item is, as the engine and the workers see it.
 
 Torch-free on purpose: the scheduler reads `mm_hash` and `placeholder` only;
-`data` (pixel tensors, grid) is opaque to it and consumed by the model runner.
+`data` (pixel tensors, grid) is opaque to it. Plans carry features without
+their array payload (`without_payload`): workers learn an item's grid and
+timing with the request, and get its pixels once, by mm_hash, in the step
+that encodes it.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ class MMFeature:
     placeholder:  where its embeddings go in the prompt's token ids; the
                   encoder output has exactly `placeholder.length` rows
     data:         model inputs, e.g. {"pixel_values": (N, C*T*P*P) tensor,
-                  "grid_thw": (t, h, w)}
+                  "grid_thw": (t, h, w)}. Array values (anything with a
+                  `shape`) are the payload the vision encoder reads; plain
+                  values (ints, floats, tuples) are what position rules read.
     """
 
     modality: str
@@ -42,3 +47,20 @@ class MMFeature:
     @property
     def num_encoder_tokens(self) -> int:
         return self.placeholder.length
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The array entries of data (pixels): what only the encoder needs."""
+        return {key: value for key, value in self.data.items() if _is_array(value)}
+
+    def without_payload(self) -> "MMFeature":
+        """This feature with plain data only, as plans carry it to workers."""
+        plain = {key: value for key, value in self.data.items() if not _is_array(value)}
+        return MMFeature(self.modality, self.mm_hash, self.placeholder, plain)
+
+    def with_payload(self, payload: dict[str, Any]) -> "MMFeature":
+        return MMFeature(self.modality, self.mm_hash, self.placeholder, {**self.data, **payload})
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and not isinstance(value, (int, float))

@@ -10,6 +10,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES)
 # Checkpoint dtypes a CUDA run keeps as stored; anything else runs in bfloat16.
 _CUDA_NATIVE = ("bfloat16", "float16")
 

@@ -33,6 +33,9 @@ class EncoderCache:
     def put(self, mm_hash: str, embeddings: torch.Tensor) -> None:
         self._embeddings[mm_hash] = embeddings
 
+    def get(self, mm_hash: str) -> torch.Tensor:
+        return self._embeddings[mm_hash]  # (num_tokens, hidden)
+
     def drop(self, mm_hashes: list[str]) -> None:
         for mm_hash in mm_hashes:
             self._embeddings.pop(mm_hash, None)

@@ -1,8 +1,6 @@
-"""Paged KV cache tensors: sizing and allocation.
+"""Paged KV cache sizing: this rank's KVCacheSpec and the memory the pool may take.
 
-One tensor per decoder layer, (2, num_blocks, block_size, num_kv_heads,
-head_dim): index 0 holds keys, 1 values. Slot s of the pool is block
-s // block_size, offset s % block_size.
+The layout itself lives in foveal/layers/attention/kv_spec.py.
 """
 from __future__ import annotations
 
@@ -12,45 +10,20 @@ import torch
 
 from foveal.config import CacheConfig, ModelConfig
 from foveal.errors import ConfigError
+from foveal.layers.attention.kv_spec import KVCacheSpec
+from foveal.worker.device import torch_dtype
 
-_MIB = 1 << 20
 
-
-def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
-                             dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (keys and values)."""
+def kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig, model_dtype: str,
+                  tp_size: int = 1) -> KVCacheSpec:
+    """This rank's KV layout: KV heads split over tp_size ranks (replicated when
+    there are fewer heads than ranks), stored in cache_config.kv_cache_dtype
+    ("auto": the model's dtype)."""
     text = model_config.text
-    per_layer = 2 * block_size * text.num_key_value_heads * text.head_dim * dtype.itemsize
-    return per_layer * text.num_hidden_layers
-
-
-def num_blocks_for(memory_bytes: int, model_config: ModelConfig, block_size: int,
-                   dtype: torch.dtype, max_model_len: int) -> int:
-    """How many blocks fit in memory_bytes; at least one max_model_len request must fit."""
-    block_bytes = kv_cache_bytes_per_block(model_config, block_size, dtype)
-    num_blocks = memory_bytes // block_bytes
-    needed = -(-max_model_len // block_size)
-    if num_blocks < needed:
-        raise ConfigError(
-            f"the KV cache gets {memory_bytes / _MIB:.1f} MiB = {num_blocks} blocks of "
-            f"{block_size} tokens, but one max_model_len={max_model_len} request needs "
-            f"{needed} blocks = {needed * block_bytes / _MIB:.1f} MiB; raise "
-            f"--kv-cache-memory-bytes to at least {needed * block_bytes} "
-            "or lower --max-model-len")
-    return int(num_blocks)
-
-
-def allocate_kv_caches(num_blocks: int, block_size: int, model_config: ModelConfig,
-                       dtype: torch.dtype, device: str | torch.device) -> list[torch.Tensor]:
-    """One zeroed (2, num_blocks, block_size, num_kv_heads, head_dim) tensor per layer.
-
-    Zeroed, not empty: kernels that read a whole block and mask the unused
-    slots would turn garbage NaNs into NaN outputs (0 * NaN = NaN).
-    """
-    text = model_config.text
-    shape = (2, num_blocks, block_size, text.num_key_value_heads, text.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(text.num_hidden_layers)]
+    name = model_dtype if cache_config.kv_cache_dtype == "auto" else cache_config.kv_cache_dtype
+    return KVCacheSpec(num_layers=text.num_hidden_layers, block_size=cache_config.block_size,
+                       num_kv_heads=max(1, text.num_key_value_heads // tp_size),
+                       head_dim=text.head_dim, dtype=torch_dtype(name))
 
 
 def available_kv_memory(cache_config: CacheConfig, device: str | torch.device) -> int:

@@ -1,10 +1,10 @@
 """The model runner: StepPlan in, sampled tokens out.
 
 Generic over architectures: it holds each request's token ids, block ids and
-M-RoPE positions, builds the flattened batch (T new tokens from B requests)
-with numpy, merges vision embeddings into the text embeddings, runs the LLM
-inside `forward_context` and samples the requests that reached their last
-known token.
+prompt positions (from the model's position rule), builds the flattened batch
+(T new tokens from B requests) with numpy, merges vision embeddings into the
+text embeddings, runs the LLM inside `forward_context` and samples the
+requests that reached their last known token.
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import torch
 from foveal.config import EngineConfig
 from foveal.engine.plan import ModelRunnerOutput, NewRequestData, StepPlan
 from foveal.forward_context import AttentionMetadata, forward_context
+from foveal.layers.attention.kv_spec import KVCaches
 from foveal.multimodal.inputs import MMFeature
 from foveal.sampling_params import SamplingParams
+from foveal.worker.encoder_connector import EncoderConnectorWorker
 from foveal.worker.encoder_runner import EncoderCache
 from foveal.worker.kv_offload import KVOffloadWorker
 from foveal.worker.sampler import Sampler, request_generator
@@ -31,14 +33,14 @@ class RequestState:
     block_ids: list[int]
     mm_features: list[MMFeature]
     sampling_params: SamplingParams
-    mrope_positions: np.ndarray  # (3, num_prompt_tokens) int64
-    mrope_delta: int  # position of token i >= num_prompt_tokens is i + delta
+    prompt_positions: np.ndarray  # (num_axes, num_prompt_tokens) int64
+    position_delta: int  # position of token i >= num_prompt_tokens is i + delta
     generator: torch.Generator | None
     num_computed_tokens: int
 
     @property
     def num_prompt_positions(self) -> int:
-        return self.mrope_positions.shape[1]
+        return self.prompt_positions.shape[1]
 
 
 @dataclass
@@ -52,7 +54,7 @@ class ScheduledRequest:
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (T,) int64
-    positions: torch.Tensor  # (3, T) int64
+    positions: torch.Tensor  # (num_axes, T) int64, or (T,) for one axis
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (N,) int64: last row of each sampled request
     sampled_requests: list[RequestState]
@@ -60,28 +62,39 @@ class Batch:
 
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model: torch.nn.Module,
-                 kv_caches: list[torch.Tensor], block_size: int,
-                 kv_offload: KVOffloadWorker | None = None) -> None:
+                 kv_caches: KVCaches, kv_offload: KVOffloadWorker | None = None,
+                 encoder_connector: EncoderConnectorWorker | None = None) -> None:
         self.config = engine_config
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
+        self.block_size = kv_caches.spec.block_size
         self.device = torch.device(engine_config.device)
+        self.position_rule = model.position_rule(engine_config.model)
         self.requests: dict[str, RequestState] = {}
         self.encoder_cache = EncoderCache()
         self.kv_offload = kv_offload
+        self.encoder_connector = encoder_connector
         self.sampler = Sampler(engine_config.seed, self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+    def execute(self, plan: StepPlan, mm_payloads: dict[str, dict] | None = None
+                ) -> ModelRunnerOutput:
+        """mm_payloads: mm_hash -> array data (pixels) of the items encoded this step."""
+        if plan.scheduled_spec_decode_tokens:
+            raise NotImplementedError("this model runner does not verify draft tokens; "
+                                      "no speculative proposer is configured to send them")
         self._update_states(plan)
         self.encoder_cache.drop(plan.freed_mm_hashes)
         if plan.kv_transfer:
             self.kv_offload.apply(plan.kv_transfer)  # before the forward reads or overwrites
+        if plan.encoder_transfer:
+            self.encoder_connector.load(plan.encoder_transfer, self.encoder_cache, self.device)
         encoded = self.encoder_cache.encode(self.model, [
-            (request_id, self.requests[request_id].mm_features[index])
+            (request_id, self._with_payload(request_id, index, mm_payloads or {}))
             for request_id, indices in plan.scheduled_encoder_inputs.items()
             for index in indices])
+        if plan.encoder_transfer:
+            self.encoder_connector.save(plan.encoder_transfer, self.encoder_cache)
         output = ModelRunnerOutput(num_encoder_items_run=encoded.num_items_run,
                                    failed_requests=encoded.failed_requests)
         scheduled = self._select_requests(plan, output.failed_requests)
@@ -89,7 +102,7 @@ class ModelRunner:
             return output
         batch = self._prepare_batch(scheduled)
         inputs_embeds = self._embed(batch, scheduled)  # (T, hidden)
-        with forward_context(batch.attn_metadata, self.kv_caches):
+        with forward_context(batch.attn_metadata, self.kv_caches.layers, self.kv_caches.scales):
             hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)
         for item in scheduled:
             item.state.num_computed_tokens += item.num_new_tokens
@@ -104,8 +117,16 @@ class ModelRunner:
             self._add_request(new_request)
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
+            if cached.num_trimmed_blocks:
+                del state.block_ids[-cached.num_trimmed_blocks:]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _with_payload(self, request_id: str, index: int,
+                      mm_payloads: dict[str, dict]) -> MMFeature:
+        """The scheduled item with its pixels, which the plan does not carry."""
+        feature = self.requests[request_id].mm_features[index]
+        return feature.with_payload(mm_payloads.get(feature.mm_hash, {}))
 
     def _add_request(self, new: NewRequestData) -> None:
         # A resumed (preempted) request keeps its generator: it has drawn one
@@ -113,13 +134,12 @@ class ModelRunner:
         previous = self.requests.get(new.request_id)
         generator = (previous.generator if previous is not None
                      else request_generator(new.sampling_params, self.device))
-        positions, delta = self.model.get_mrope_positions(
-            self.config.model, new.token_ids, new.mm_features)
+        positions, delta = self.position_rule.prompt_positions(new.token_ids, new.mm_features)
         self.requests[new.request_id] = RequestState(
             request_id=new.request_id, token_ids=list(new.token_ids),
             block_ids=list(new.block_ids), mm_features=new.mm_features,
-            sampling_params=new.sampling_params, mrope_positions=positions.cpu().numpy(),
-            mrope_delta=int(delta), generator=generator,
+            sampling_params=new.sampling_params, prompt_positions=positions,
+            position_delta=delta, generator=generator,
             num_computed_tokens=new.num_computed_tokens)
 
     def _select_requests(self, plan: StepPlan,
@@ -202,18 +222,19 @@ class ModelRunner:
 
     def _positions(self, states: list[RequestState], starts: np.ndarray,
                    num_new: np.ndarray, token_index: np.ndarray) -> np.ndarray:
-        """(3, T) M-RoPE positions: prompt tokens from the precomputed table,
-        later tokens index + delta on all three axes."""
-        deltas = np.array([s.mrope_delta for s in states], dtype=np.int64)  # (B,)
-        positions = np.repeat((token_index + np.repeat(deltas, num_new))[None, :], 3,
-                              axis=0)  # (3, T)
+        """(A, T) positions: prompt tokens from the precomputed table, later
+        tokens index + delta on every axis; (T,) when the rule has one axis."""
+        num_axes = self.position_rule.num_axes
+        deltas = np.array([s.position_delta for s in states], dtype=np.int64)  # (B,)
+        positions = np.repeat((token_index + np.repeat(deltas, num_new))[None, :], num_axes,
+                              axis=0)  # (A, T)
         row = 0
         for state, start, count in zip(states, starts.tolist(), num_new.tolist()):
             end = min(start + count, state.num_prompt_positions)
             if start < end:
-                positions[:, row:row + end - start] = state.mrope_positions[:, start:end]
+                positions[:, row:row + end - start] = state.prompt_positions[:, start:end]
             row += count
-        return positions
+        return positions[0] if num_axes == 1 else positions
 
     def _embed(self, batch: Batch, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         inputs_embeds = self.model.embed_input_ids(batch.input_ids)  # (T, hidden)
@@ -231,9 +252,9 @@ class ModelRunner:
                                [s.generator for s in states])
         for state, token_id, logprobs in zip(states, sampled.token_ids, sampled.logprobs):
             state.token_ids.append(token_id)
-            output.sampled_token_ids[state.request_id] = token_id
+            output.sampled_token_ids[state.request_id] = [token_id]
             if logprobs is not None:
-                output.logprobs[state.request_id] = logprobs
+                output.logprobs[state.request_id] = [logprobs]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

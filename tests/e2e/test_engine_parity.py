@@ -101,8 +101,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_checkpoints, preset)
 
 
 def _pool_bytes(path: str, num_blocks: int) -> int:
-    from foveal.config import ModelConfig
-    from foveal.worker.kv_cache import kv_cache_bytes_per_block
+    from foveal.config import CacheConfig
+    from foveal.loader.hf_config import model_config_from_hf
+    from foveal.worker.kv_cache import kv_cache_spec
 
-    config = ModelConfig.from_hf(path)
-    return num_blocks * kv_cache_bytes_per_block(config, 16, torch.float32)
+    config = model_config_from_hf(path)
+    return num_blocks * kv_cache_spec(config, CacheConfig(block_size=16), "float32").block_bytes

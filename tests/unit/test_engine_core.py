@@ -38,7 +38,7 @@ def test_abort_with_stop_status_counts_as_stop():
 
 def test_executor_error_for_whole_batch_propagates():
     class Broken:
-        def execute(self, plan):
+        def execute(self, plan, mm_payloads):
             raise RuntimeError("worker died")
 
     core = EngineCore(make_scheduler(), Broken())
@@ -56,6 +56,8 @@ def test_stats_have_the_exported_names():
         "foveal:encoder_cache_queries_total", "foveal:encoder_cache_hits_total",
         "foveal:kv_offload_hits_total", "foveal:kv_offload_saves_total", "foveal:kv_offload_bytes",
         "foveal:num_preemptions_total", "foveal:kv_cache_usage_perc",
+        "foveal:spec_decode_num_draft_tokens_total",
+        "foveal:spec_decode_num_accepted_tokens_total",
         "foveal:num_requests_running", "foveal:num_requests_waiting",
         *(f'foveal:request_success_total{{finished_reason="{r}"}}'
           for r in ("stop", "length", "abort", "error")),

@@ -4,8 +4,21 @@ import torch
 from foveal.config import CacheConfig, ModelConfig, TextConfig, VisionConfig
 from foveal.errors import ConfigError
 from foveal.worker.device import resolve_device, resolve_dtype, torch_dtype
-from foveal.worker.kv_cache import (allocate_kv_caches, available_kv_memory,
-                                    kv_cache_bytes_per_block, num_blocks_for)
+from foveal.layers.attention.kv_spec import KVCacheSpec
+from foveal.worker.kv_cache import available_kv_memory, kv_cache_spec
+
+
+def kv_cache_bytes_per_block(config, block_size, dtype) -> int:
+    return spec_for(config, block_size, dtype).block_bytes
+
+
+def spec_for(config, block_size, dtype) -> KVCacheSpec:
+    name = str(dtype).removeprefix("torch.")
+    return kv_cache_spec(config, CacheConfig(block_size=block_size), name)
+
+
+def num_blocks_for(memory_bytes, config, block_size, dtype, max_model_len) -> int:
+    return spec_for(config, block_size, dtype).num_blocks_for(memory_bytes, max_model_len)
 
 
 def _model_config(layers=3, kv_heads=2, head_dim=8) -> ModelConfig:
@@ -47,7 +60,7 @@ def test_too_little_memory_for_one_max_len_request_names_the_flag():
 
 def test_allocate_gives_one_zeroed_tensor_per_layer():
     config = _model_config(layers=3, kv_heads=2, head_dim=8)
-    caches = allocate_kv_caches(5, 4, config, torch.float32, "cpu")
+    caches = spec_for(config, 4, torch.float32).allocate(5, "cpu").layers
     assert len(caches) == 3
     assert all(c.shape == (2, 5, 4, 2, 8) and c.dtype == torch.float32 for c in caches)
     assert all(not c.any() for c in caches)
@@ -89,3 +102,34 @@ def test_devices_resolve_and_unknown_names_fail():
 def test_cuda_without_cuda_is_a_config_error():
     with pytest.raises(ConfigError, match="--device cpu"):
         resolve_device("cuda:0")
+
+
+def test_kv_cache_dtype_other_than_the_model_dtype_sizes_the_pool():
+    config = _model_config(layers=3, kv_heads=2, head_dim=8)
+    cache = CacheConfig(block_size=16, kv_cache_dtype="bfloat16", kv_cache_memory_bytes=1 << 20)
+    spec = kv_cache_spec(config, cache, "float32")
+    assert spec.dtype == torch.bfloat16
+    assert spec.block_bytes == 2 * 16 * 2 * 8 * 2 * 3  # half the fp32 block
+    num_blocks = spec.num_blocks_for(available_kv_memory(cache, "cpu"), 256)
+    assert num_blocks == (1 << 20) // (2 * 16 * 2 * 8 * 2 * 3)
+    caches = spec.allocate(num_blocks, "cpu")
+    assert caches.layers[0].dtype == torch.bfloat16 and caches.scales is None
+    assert sum(t.numel() * t.element_size() for t in caches.layers) == num_blocks * spec.block_bytes
+
+
+def test_scales_are_counted_in_block_bytes_and_allocated_beside_each_layer():
+    spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                       dtype=torch.int8, scale_shape=(4, 2))
+    # per layer: K and V int8 (2 * 4 * 2 * 8 * 1) + float32 scales (2 * 4 * 2 * 4)
+    assert spec.block_bytes == 2 * (2 * 4 * 2 * 8 + 2 * 4 * 2 * 4)
+    caches = spec.allocate(3, "cpu")
+    assert [t.shape for t in caches.scales] == [(2, 3, 4, 2)] * 2
+    total = sum(t.numel() * t.element_size() for t in caches.layers + caches.scales)
+    assert total == 3 * spec.block_bytes
+
+
+def test_kv_heads_are_split_over_tensor_parallel_ranks_and_replicated_when_scarce():
+    config = _model_config(kv_heads=2)
+    assert kv_cache_spec(config, CacheConfig(), "float32", tp_size=2).num_kv_heads == 1
+    assert kv_cache_spec(config, CacheConfig(), "float32", tp_size=4).num_kv_heads == 1
+    assert kv_cache_spec(config, CacheConfig(), "float32", tp_size=1).num_kv_heads == 2

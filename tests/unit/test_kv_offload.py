@@ -9,6 +9,7 @@ from foveal.engine.kv_offload import OffloadTier
 from foveal.engine.plan import KVTransferPlan
 from foveal.engine.request import Request
 from foveal.sampling_params import SamplingParams
+from foveal.layers.attention.kv_spec import KVCacheSpec, KVCaches
 from foveal.worker.kv_offload import KVOffloadWorker, BLOCK_STORES
 
 
@@ -93,22 +94,31 @@ def test_block_reused_before_its_load_ran_cancels_the_load():
     assert not transfers and tier.num_hits == 0 and tier.contains(b"h")
 
 
-def kv_caches(num_layers=2, num_blocks=4) -> list[torch.Tensor]:
+def kv_pool(num_layers=2, num_blocks=4, scale_shape=()) -> KVCaches:
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(2, num_blocks, 4, 2, 8, generator=generator) for _ in range(num_layers)]
+    spec = KVCacheSpec(num_layers, 4, 2, 8, torch.float32, scale_shape)
+    pool = spec.allocate(num_blocks, "cpu")
+    for tensor in pool.layers + (pool.scales or []):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    return pool
 
 
-def check_round_trip(store_name: str, tmp_path) -> None:
-    caches = kv_caches()
+def kv_caches(num_layers=2, num_blocks=4) -> KVCaches:
+    return kv_pool(num_layers, num_blocks)
+
+
+def check_round_trip(store_name: str, tmp_path, scale_shape=()) -> None:
+    pool = kv_pool(scale_shape=scale_shape)
+    tensors = pool.layers + (pool.scales or [])
     config = CacheConfig(kv_offload=store_name, kv_offload_path=str(tmp_path))
-    worker = KVOffloadWorker(BLOCK_STORES[store_name](config), caches)
-    original = [kv[:, 1].clone() for kv in caches]
+    worker = KVOffloadWorker(BLOCK_STORES[store_name](config), pool)
+    original = [t[:, 1].clone() for t in tensors]
     worker.apply(KVTransferPlan(saves=[("aa", 1)]))
-    for kv in caches:
-        kv[:, 1].zero_()
+    for t in tensors:
+        t[:, 1].zero_()
     worker.apply(KVTransferPlan(loads=[("aa", 3)]))
-    for kv, expected in zip(caches, original):
-        assert torch.equal(kv[:, 3], expected)
+    for t, expected in zip(tensors, original):
+        assert torch.equal(t[:, 3], expected)
     worker.apply(KVTransferPlan(drops=["aa"]))
 
 
@@ -121,9 +131,15 @@ def test_disk_store_round_trips_a_block_and_drop_deletes_its_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_offload_moves_a_quantized_block_with_its_scales(tmp_path):
+    check_round_trip("cpu", tmp_path, scale_shape=(4, 2))
+    check_round_trip("disk", tmp_path, scale_shape=(4, 2))
+
+
 def test_save_then_load_into_the_same_block_in_one_step_reads_the_old_kv(tmp_path):
-    caches = kv_caches()
-    worker = KVOffloadWorker(BLOCK_STORES["cpu"](CacheConfig()), caches)
+    pool = kv_caches()
+    caches = pool.layers
+    worker = KVOffloadWorker(BLOCK_STORES["cpu"](CacheConfig()), pool)
     worker.apply(KVTransferPlan(saves=[("x", 0)]))
     block0 = [kv[:, 0].clone() for kv in caches]
     block2 = [kv[:, 2].clone() for kv in caches]

@@ -8,9 +8,10 @@ from foveal.config import (CacheConfig, EngineConfig, ModelConfig, MultimodalCon
                            SchedulerConfig, TextConfig, VisionConfig)
 from foveal.engine.plan import CachedRequestData, NewRequestData, StepPlan
 from foveal.forward_context import get_forward_context
+from foveal.models.positions import MRopePositions
 from foveal.multimodal.inputs import MMFeature, PlaceholderRange
 from foveal.sampling_params import SamplingParams
-from foveal.worker.kv_cache import allocate_kv_caches
+from foveal.worker.kv_cache import kv_cache_spec
 from foveal.worker.model_runner import ModelRunner
 
 HIDDEN = 8
@@ -67,7 +68,9 @@ class FakeVLM(nn.Module):
         self.forward_calls: list[dict] = []
         self.encoder_batches: list[list[str]] = []
 
-    get_mrope_positions = staticmethod(fake_mrope_positions)
+    @classmethod
+    def position_rule(cls, config):
+        return MRopePositions(config, fake_mrope_positions)
 
     def embed_input_ids(self, input_ids):
         return self.embed(input_ids)
@@ -121,8 +124,8 @@ def _runner(seed: int = 0) -> ModelRunner:
     config = EngineConfig(model=_model_config(), cache=CacheConfig(block_size=BLOCK),
                           scheduler=SchedulerConfig(), multimodal=MultimodalConfig(),
                           seed=seed)
-    kv_caches = allocate_kv_caches(32, BLOCK, config.model, torch.float32, "cpu")
-    return ModelRunner(config, FakeVLM(config.model), kv_caches, BLOCK)
+    kv_caches = kv_cache_spec(config.model, config.cache, "float32").allocate(32, "cpu")
+    return ModelRunner(config, FakeVLM(config.model), kv_caches)
 
 
 def _image(mm_hash: str, offset: int, length: int, value: float, fail=False) -> MMFeature:
@@ -185,7 +188,7 @@ def test_chunked_prefill_then_decode_builds_inputs_positions_and_metadata():
     assert md.block_tables.tolist() == [[5, 2, 7], [9, 0, 0]]
     expected_a = reference_greedy(model, tokens_a, [image], 3)
     expected_b = reference_greedy(model, tokens_b, [], 2)
-    assert out.sampled_token_ids == {"a": expected_a[0], "b": expected_b[0]}
+    assert out.sampled_token_ids == {"a": [expected_a[0]], "b": [expected_b[0]]}
 
     out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [], 10),
                                                    CachedRequestData("b", [], 3)],
@@ -196,7 +199,7 @@ def test_chunked_prefill_then_decode_builds_inputs_positions_and_metadata():
     assert torch.equal(call["inputs_embeds"][0], model.embed.weight[expected_a[0]])
     assert md.slot_mapping.tolist() == [30, 39]
     assert md.seq_lens.tolist() == [11, 4] and md.max_query_len == 1
-    assert out.sampled_token_ids == {"a": expected_a[1], "b": expected_b[1]}
+    assert out.sampled_token_ids == {"a": [expected_a[1]], "b": [expected_b[1]]}
 
     out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [11], 11)],
                                   num_scheduled_tokens={"a": 1},
@@ -204,7 +207,7 @@ def test_chunked_prefill_then_decode_builds_inputs_positions_and_metadata():
     md = model.forward_calls[-1]["metadata"]
     assert md.slot_mapping.tolist() == [31]
     assert md.block_tables.tolist() == [[5, 2, 7, 11]]
-    assert out.sampled_token_ids == {"a": expected_a[2]}
+    assert out.sampled_token_ids == {"a": [expected_a[2]]}
     assert "b" not in runner.requests
 
 
@@ -230,7 +233,7 @@ def test_resumed_request_recomputes_into_fresh_blocks_and_continues():
     positions, delta = fake_mrope_positions(None, tokens, [image])
     assert call["positions"].tolist() == [[7 + delta, 8 + delta, 9 + delta]] * 3
     assert call["metadata"].slot_mapping.tolist() == [19, 32, 33]
-    assert out.sampled_token_ids == {"a": expected[2]}
+    assert out.sampled_token_ids == {"a": [expected[2]]}
 
 
 def test_resumed_prefix_hit_starts_at_num_computed_tokens():
@@ -243,7 +246,7 @@ def test_resumed_prefix_hit_starts_at_num_computed_tokens():
     md = runner.model.forward_calls[-1]["metadata"]
     assert md.slot_mapping.tolist() == [20, 21]
     assert md.seq_lens_cpu == [10]
-    assert out.sampled_token_ids == {"b": reference_greedy(runner.model, tokens, [], 1)[0]}
+    assert out.sampled_token_ids == {"b": reference_greedy(runner.model, tokens, [], 1)[:1]}
 
 
 def test_item_split_across_chunks_is_encoded_once():
@@ -262,7 +265,7 @@ def test_item_split_across_chunks_is_encoded_once():
     assert torch.equal(embeds[0][1:3], rows[0:2])
     assert torch.equal(embeds[1], rows[2:5])
     assert torch.equal(embeds[2][0], rows[5])
-    assert out.sampled_token_ids == {"a": reference_greedy(runner.model, tokens, [image], 1)[0]}
+    assert out.sampled_token_ids == {"a": reference_greedy(runner.model, tokens, [image], 1)[:1]}
 
 
 def test_items_of_one_step_are_encoded_in_one_batched_call_deduplicated_by_hash():
@@ -326,7 +329,7 @@ def test_seeded_request_samples_the_same_tokens_with_or_without_companions():
             new.insert(0, _new("c", [4, 5], [2, 3], temperature=1.0))
             scheduled = {"c": 2, "s": 3}
         tokens = [runner.execute(StepPlan(new_requests=new,
-                                          num_scheduled_tokens=scheduled)).sampled_token_ids["s"]]
+                                          num_scheduled_tokens=scheduled)).sampled_token_ids["s"][0]]
         for step in range(5):
             cached = [CachedRequestData("s", [], 3 + step)]
             scheduled = {"s": 1}
@@ -334,7 +337,7 @@ def test_seeded_request_samples_the_same_tokens_with_or_without_companions():
                 cached.append(CachedRequestData("c", [], 2 + step))
                 scheduled = {"c": 1, "s": 1}
             out = runner.execute(StepPlan(cached_requests=cached, num_scheduled_tokens=scheduled))
-            tokens.append(out.sampled_token_ids["s"])
+            tokens.extend(out.sampled_token_ids["s"])
         return tokens
 
     assert run(False) == run(True)
@@ -346,8 +349,8 @@ def test_logprobs_are_returned_for_requests_that_ask():
                                                 _new("b", [1, 2], [1])],
                                   num_scheduled_tokens={"a": 2, "b": 2}))
     assert set(out.logprobs) == {"a"}
-    assert out.logprobs["a"].token_ids[0] == out.sampled_token_ids["a"]
-    assert len(out.logprobs["a"].token_ids) == 4
+    assert [p.token_ids[0] for p in out.logprobs["a"]] == out.sampled_token_ids["a"]
+    assert len(out.logprobs["a"][0].token_ids) == 4
 
 
 def test_seeded_request_keeps_its_generator_across_preemption():
@@ -393,11 +396,10 @@ def test_uniproc_executor_sizes_the_kv_cache_and_runs_plans(monkeypatch):
     import types
 
     from foveal.errors import EngineDeadError
-    from foveal.worker.executor import UniProcExecutor
-    from foveal.worker.kv_cache import kv_cache_bytes_per_block
+    from foveal.executor.uniproc import UniProcExecutor
 
     model_config = _model_config()
-    block_bytes = kv_cache_bytes_per_block(model_config, BLOCK, torch.float32)
+    block_bytes = kv_cache_spec(model_config, CacheConfig(block_size=BLOCK), "float32").block_bytes
     loader = types.ModuleType("foveal.loader.weights")
     loader.load_model = lambda engine_config: FakeVLM(engine_config.model)
     monkeypatch.setitem(sys.modules, "foveal.loader.weights", loader)
@@ -408,7 +410,7 @@ def test_uniproc_executor_sizes_the_kv_cache_and_runs_plans(monkeypatch):
                           multimodal=MultimodalConfig())
     executor = UniProcExecutor(config)
     assert executor.num_blocks == 40
-    assert executor.model_runner.kv_caches[0].shape == (2, 40, BLOCK, 1, HIDDEN)
+    assert executor.model_runner.kv_caches.layers[0].shape == (2, 40, BLOCK, 1, HIDDEN)
     out = executor.execute(StepPlan(new_requests=[_new("a", [1, 2], [3])],
                                     num_scheduled_tokens={"a": 2}))
     assert set(out.sampled_token_ids) == {"a"}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from foveal.config import CacheConfig, SchedulerConfig
 from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.engine.request import Request
-from foveal.engine.scheduler import Scheduler
+from foveal.engine.scheduler import Scheduler, build_scheduler
 from foveal.errors import ContextLengthError, InvalidRequestError
 from foveal.multimodal.inputs import MMFeature, PlaceholderRange
 from foveal.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ class FakeExecutor:
         self.encode_counts: Counter = Counter()
         self.plans: list[StepPlan] = []
 
-    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+    def execute(self, plan: StepPlan, mm_payloads=None) -> ModelRunnerOutput:
         self.plans.append(plan)
         for rid in plan.finished_request_ids:
             for table in (self.tokens, self.computed, self.blocks, self.features):
@@ -89,7 +89,7 @@ class FakeExecutor:
         if end == len(tokens):
             token = self.next_token(tokens)
             tokens.append(token)
-            output.sampled_token_ids[rid] = token
+            output.sampled_token_ids[rid] = [token]
 
 
 def image(mm_hash: str, offset: int, length: int) -> MMFeature:
@@ -109,7 +109,7 @@ def image_prompt(before: int, length: int, after: int, text_start: int = 1) -> l
 
 def make_scheduler(num_blocks=64, block_size=4, max_tokens=16, max_seqs=8, max_len=256,
                    encoder_budget=64, encoder_cache=128, prefix=True) -> Scheduler:
-    return Scheduler(
+    return build_scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                         max_model_len=max_len, encoder_compute_budget=encoder_budget),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix,

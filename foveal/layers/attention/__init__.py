@@ -1,8 +1,9 @@
 """Attention backends, as a registry with lazy imports.
 
 A backend is a class `Backend(num_heads, num_kv_heads, head_dim, scale)` with
-`forward(q, k, v, kv_cache, attn_metadata) -> (T, H*D)` that writes the new
-K/V into the paged cache and attends over each request's context. The CPU
+`forward(q, k, v, kv_cache, attn_metadata, kv_scales=None) -> (T, H*D)` that
+writes the new K/V into the paged cache (layout: kv_spec.py; kv_scales beside
+quantized blocks) and attends over each request's context. The CPU
 reference is torch SDPA; CUDA backends (flash-attn, flashinfer) register here
 and become the default for their device type.
 """

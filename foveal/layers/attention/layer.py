@@ -11,8 +11,8 @@ class Attention(nn.Module):
     """Causal attention of new tokens over their requests' cached context.
 
     Reads the batch layout (AttentionMetadata) and this layer's KV cache
-    (kv_caches[layer_idx], (2, num_blocks, block_size, Hkv, D)) from the
-    forward context. Without metadata the batch is one fresh sequence and
+    (kv_caches[layer_idx], laid out as kv_spec.py says) and its scales (for
+    quantized caches) from the forward context. Without metadata the batch is one fresh sequence and
     nothing is cached (used for profiling and simple tests).
     """
 
@@ -36,5 +36,8 @@ class Attention(nn.Module):
         """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D)."""
         context = get_forward_context()
         metadata = context.attn_metadata
-        kv_cache = context.kv_caches[self.layer_idx] if metadata is not None else None
-        return self._backend(q.device.type).forward(q, k, v, kv_cache, metadata)
+        kv_cache = kv_scales = None
+        if metadata is not None:
+            kv_cache = context.kv_caches[self.layer_idx]
+            kv_scales = context.kv_scales[self.layer_idx] if context.kv_scales else None
+        return self._backend(q.device.type).forward(q, k, v, kv_cache, metadata, kv_scales)

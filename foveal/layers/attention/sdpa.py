@@ -13,15 +13,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from foveal.errors import ConfigError
 from foveal.forward_context import AttentionMetadata
+from foveal.layers.attention.kv_spec import slot_view
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store k/v (T, Hkv, D) at flat slots (T,) of kv_cache (2, blocks, bs, Hkv, D)."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(kv_cache.dtype)
+    """Store k/v (T, Hkv, D) at flat slots (T,) of one layer's cache."""
+    slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
+    slots[0][slot_mapping] = k.to(kv_cache.dtype)
+    slots[1][slot_mapping] = v.to(kv_cache.dtype)
 
 
 def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -80,8 +82,12 @@ class SdpaBackend:
         self.group = num_heads // num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | None, metadata: AttentionMetadata | None) -> torch.Tensor:
+                kv_cache: torch.Tensor | None, metadata: AttentionMetadata | None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D)."""
+        if kv_scales is not None:
+            raise ConfigError("the sdpa backend reads float KV caches only; this cache "
+                              "stores quantized blocks with scales")
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -127,8 +133,9 @@ class SdpaBackend:
         """q (Bd, H, D), one query per request -> (Bd, H, D)."""
         batch, max_len = layout.decode_slots.shape
         flat = layout.decode_slots.view(-1)
-        keys = kv_cache[0].flatten(0, 1)[flat].view(batch, max_len, self.num_kv_heads, -1)
-        values = kv_cache[1].flatten(0, 1)[flat].view(batch, max_len, self.num_kv_heads, -1)
+        slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
+        keys = slots[0][flat].view(batch, max_len, self.num_kv_heads, -1)
+        values = slots[1][flat].view(batch, max_len, self.num_kv_heads, -1)
         queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # (Bd, Hkv, G, D)
         out = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
@@ -139,8 +146,9 @@ class SdpaBackend:
                       ) -> torch.Tensor:
         """A chunk after cached context: q (n, H, D) at positions seq_len-n.. -> (n, H, D)."""
         num_new, seq_len = q.shape[0], prefill.seq_len
-        keys = kv_cache[0].flatten(0, 1)[prefill.slots].transpose(0, 1)  # (Hkv, L, D)
-        values = kv_cache[1].flatten(0, 1)[prefill.slots].transpose(0, 1)
+        slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
+        keys = slots[0][prefill.slots].transpose(0, 1)  # (Hkv, L, D)
+        values = slots[1][prefill.slots].transpose(0, 1)
         query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device) <= query_pos.unsqueeze(-1)  # (n, L)
         mask = mask.repeat_interleave(self.group, dim=0)  # (n*G, L), rows as _grouped lays out

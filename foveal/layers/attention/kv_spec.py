@@ -1,0 +1,141 @@
+"""One description of the paged KV cache: dtype, layout, bytes per block.
+
+Sizing, allocation, the attention backends and every block copy (offload
+tier, and later disaggregation transfers) read the layout from here, so a new
+cache dtype or a per-block scale tensor changes one file.
+
+Layout of one decoder layer (one rank):
+    cache  (2, num_blocks, block_size, num_kv_heads, head_dim)  index 0 keys, 1 values
+    scales (2, num_blocks, *scale_shape) float32, only for quantized dtypes
+Slot s of the pool is block s // block_size, offset s % block_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foveal.errors import ConfigError
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one rank's KV pool holds per block.
+
+    num_kv_heads is this rank's share (tensor parallelism shards KV heads).
+    scale_shape: per block and per K/V, the shape of the scale tensor stored
+    beside a quantized block (e.g. (block_size, num_kv_heads) for one scale per
+    token and head); () for dtypes that need none.
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale_shape: tuple[int, ...] = ()
+    scale_dtype: torch.dtype = torch.float32
+
+    @property
+    def has_scales(self) -> bool:
+        return bool(self.scale_shape)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """(block_size, num_kv_heads, head_dim): one block of keys (or values)."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, *self.block_shape)
+
+    def scale_layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, *self.scale_shape)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers: keys, values and their scales."""
+        per_layer = 2 * _numel(self.block_shape) * self.dtype.itemsize
+        if self.has_scales:
+            per_layer += 2 * _numel(self.scale_shape) * self.scale_dtype.itemsize
+        return per_layer * self.num_layers
+
+    def num_blocks_for(self, memory_bytes: int, max_model_len: int) -> int:
+        """Blocks that fit in memory_bytes; one max_model_len request must fit."""
+        num_blocks = memory_bytes // self.block_bytes
+        needed = -(-max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"the KV cache gets {memory_bytes / _MIB:.1f} MiB = {num_blocks} blocks of "
+                f"{self.block_size} tokens, but one max_model_len={max_model_len} request "
+                f"needs {needed} blocks = {needed * self.block_bytes / _MIB:.1f} MiB; raise "
+                f"--kv-cache-memory-bytes to at least {needed * self.block_bytes} "
+                "or lower --max-model-len")
+        return int(num_blocks)
+
+    def allocate(self, num_blocks: int, device: str | torch.device) -> "KVCaches":
+        """Zeroed caches (and scales) for every layer.
+
+        Zeroed, not empty: kernels that read a whole block and mask the unused
+        slots would turn garbage NaNs into NaN outputs (0 * NaN = NaN).
+        """
+        layers = [torch.zeros(self.layer_shape(num_blocks), dtype=self.dtype, device=device)
+                  for _ in range(self.num_layers)]
+        scales = None
+        if self.has_scales:
+            scales = [torch.zeros(self.scale_layer_shape(num_blocks), dtype=self.scale_dtype,
+                                  device=device) for _ in range(self.num_layers)]
+        return KVCaches(self, layers, scales)
+
+
+@dataclass
+class KVCaches:
+    """One rank's KV pool: per-layer caches and, for quantized dtypes, scales."""
+
+    spec: KVCacheSpec
+    layers: list[torch.Tensor]  # per layer spec.layer_shape(num_blocks)
+    scales: list[torch.Tensor] | None = None  # per layer spec.scale_layer_shape(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers[0].shape[1] if self.layers else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    def read_blocks(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Copies of whole blocks on the host, one dict per block:
+        "kv": (num_layers, 2, block_size, Hkv, D) and, with scales,
+        "scales": (num_layers, 2, *scale_shape)."""
+        ids = torch.tensor(block_ids, device=self.device)
+        parts = {"kv": self.layers, "scales": self.scales or []}
+        gathered = {name: torch.stack([t.index_select(1, ids) for t in tensors]).to("cpu")
+                    for name, tensors in parts.items() if tensors}  # (L, 2, n, ...)
+        return [{name: t[:, :, index].contiguous() for name, t in gathered.items()}
+                for index in range(len(block_ids))]
+
+    def write_blocks(self, block_ids: list[int], blocks: list[dict[str, torch.Tensor]]) -> None:
+        """Put blocks read by read_blocks (any rank's pool of the same spec) at block_ids."""
+        ids = torch.tensor(block_ids, device=self.device)
+        parts = {"kv": self.layers, "scales": self.scales or []}
+        for name, tensors in parts.items():
+            if not tensors:
+                continue
+            stacked = torch.stack([block[name] for block in blocks], dim=2)  # (L, 2, n, ...)
+            stacked = stacked.to(self.device, non_blocking=True)
+            for layer, tensor in enumerate(tensors):
+                tensor.index_copy_(1, ids, stacked[layer].to(tensor.dtype))
+
+
+def slot_view(layer_cache: torch.Tensor) -> torch.Tensor:
+    """(2, num_blocks, block_size, Hkv, D) -> (2, num_slots, Hkv, D), a view."""
+    return layer_cache.flatten(1, 2)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
