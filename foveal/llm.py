@@ -19,14 +19,16 @@ class LLM:
     """
 
     def __init__(self, model: str, *, stages: Any = None, **kwargs: Any) -> None:
-        """stages: preprocessing stage config (StagesConfig, or "ocr=2,asr=1");
-        pools start on the first request with a PDF, audio or OCR."""
+        """stages: preprocessing stage config (StagesConfig, or "ocr=2,asr=1"), or a
+        StagePools to share (its creator closes it); pools start on the first
+        request with a PDF, audio, OCR or a video with sound."""
         from foveal.llm_engine import LLMEngine
 
         self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._stages_config = stages
         self._stage_pools = None
+        self._owns_stage_pools = False
         self._mm_plans: dict[str, list] = {}
 
     def get_tokenizer(self):
@@ -39,6 +41,8 @@ class LLM:
 
         Every prompt is validated before any starts: a bad one raises an
         InvalidRequestError naming its index, and nothing is left queued.
+        A video's speech is transcribed by the "asr" stage and its transcript
+        put right after the video (mm_processor_kwargs transcribe_audio=false: not).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -53,10 +57,10 @@ class LLM:
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """OpenAI-style messages (or a list of conversations) -> outputs.
 
-        Content parts: text, image_url (data: URL or path), file (a PDF as a
-        data URL) and input_audio; PDFs and audio go through the preprocessing
-        stages first (options pdf_mode / ocr / transcribe_audio ride in
-        mm_processor_kwargs).
+        Content parts: text, image_url (data: URL or path), video_url, file (a
+        PDF as a data URL) and input_audio; PDFs, audio and videos' audio tracks
+        go through the preprocessing stages (options pdf_mode / ocr /
+        transcribe_audio ride in mm_processor_kwargs).
         """
         from foveal.stages.assembly import split_preprocess_options
 
@@ -88,16 +92,29 @@ class LLM:
 
         if not needs_stages(conversation, options):
             return conversation
-        if self._stage_pools is None:
-            from foveal.stages.service import StagePools
+        return expand_preprocessed_parts_sync(conversation, self._stages(), options)
 
-            self._stage_pools = StagePools(self._stages_config)
-        return expand_preprocessed_parts_sync(conversation, self._stage_pools, options)
+    def _video_transcripts(self, prompt: PromptType) -> list[str | None] | None:
+        """Transcripts of the prompt's videos' audio tracks, from the "asr" stage;
+        the stage is not reached for videos without sound."""
+        speech = self.llm_engine.input_processor.video_speech(prompt)
+        if not speech or not any(speech):
+            return None
+        from foveal.stages.assembly import video_transcripts_sync
+
+        return video_transcripts_sync(self._stages(), speech)
+
+    def _stages(self):
+        if self._stage_pools is None:
+            from foveal.stages.service import stage_pools_for
+
+            self._stage_pools, self._owns_stage_pools = stage_pools_for(self._stages_config)
+        return self._stage_pools
 
     def shutdown(self) -> None:
-        if self._stage_pools is not None:
+        if self._stage_pools is not None and self._owns_stage_pools:
             self._stage_pools.close()
-            self._stage_pools = None
+        self._stage_pools = None
         self.llm_engine.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -122,7 +139,9 @@ class LLM:
         processed = []
         for index, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                item = engine.input_processor.process(engine.new_request_id(), prompt, sp)
+                transcripts = self._video_transcripts(prompt)
+                item = engine.input_processor.process(engine.new_request_id(), prompt, sp,
+                                                      transcripts)
                 engine.core.scheduler.check_request(item.request)
                 processed.append(item)
             except InvalidRequestError as error:

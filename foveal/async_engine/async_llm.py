@@ -1,6 +1,9 @@
 """AsyncLLM: the asyncio front of the engine, with the engine core in its own process.
 
 API process:  generate() -> PreprocessPool (worker processes) -> core socket
+              (a prompt's videos: their audio tracks, extracted in the pool, go
+              to the "asr" stage of `stage_pools`; the transcripts go back to
+              the pool with the prompt)
               output thread: core socket -> OutputProcessor (detokenize, stop
               strings) -> one asyncio queue per request
 Core process: EngineCore loop (foveal/async_engine/core_process.py)
@@ -19,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from foveal.async_engine.core_process import EngineCoreProcess
 from foveal.async_engine.messages import (AbortRequests, CoreFailed, CoreOutputs, MetricsQuery,
@@ -30,7 +33,10 @@ from foveal.engine.request import EngineCoreOutput, RequestStatus
 from foveal.engine_args import EngineArgs
 from foveal.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError
 from foveal.input_processor import PromptType
+from foveal.input_processor.prompt import has_video
 from foveal.sampling_params import SamplingParams
+from foveal.stages.assembly import video_transcripts
+from foveal.stages.service import stage_pools_for
 from foveal.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,7 +74,11 @@ class AsyncLLM:
     """
 
     def __init__(self, engine_args: EngineArgs, *, preprocess_workers: int = 2,
-                 max_pending_requests: int = 256) -> None:
+                 max_pending_requests: int = 256, stages: Any = None) -> None:
+        """stages: the StagePools whose "asr" stage transcribes videos' audio tracks
+        (its creator closes it; a server passes the pools its input_audio parts
+        use), or their config (StagesConfig, "asr=2", None) for pools this engine
+        owns. Stage workers start on first use."""
         if max_pending_requests < 1:
             raise ConfigError(f"max_pending_requests={max_pending_requests}; it must be >= 1")
         self.engine_config = engine_args.create_engine_config()
@@ -81,6 +91,7 @@ class AsyncLLM:
         self._query_ids = itertools.count()
         self._dead_error: EngineDeadError | None = None
         self._shut_down = False
+        self.stage_pools, self._owns_stage_pools = stage_pools_for(stages)
         # The pool first: its workers spawn while the core loads the model.
         self._pool = PreprocessPool(self.engine_config, preprocess_workers)
         try:
@@ -102,8 +113,8 @@ class AsyncLLM:
         """
         record = self._register(request_id, stream)
         try:
-            processed = await self._pool.process(request_id, prompt,
-                                                 sampling_params or SamplingParams())
+            processed = await self._preprocess(request_id, prompt,
+                                               sampling_params or SamplingParams())
             self._submit(request_id, record, processed)
             while True:
                 item = await record.queue.get()
@@ -114,6 +125,19 @@ class AsyncLLM:
                     return
         finally:
             self._release(request_id, record)
+
+    async def _preprocess(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams) -> PreprocessedRequest:
+        """The pool's request; a prompt with videos first has their speech transcribed."""
+        start = time.perf_counter()
+        transcripts = None
+        if has_video(prompt):
+            speech = await self._pool.video_speech(request_id, prompt)
+            if speech and any(speech):
+                transcripts = await video_transcripts(self.stage_pools, speech)
+        processed = await self._pool.process(request_id, prompt, params, transcripts)
+        processed.preprocess_time = time.perf_counter() - start
+        return processed
 
     def _register(self, request_id: str, stream: bool) -> _RequestStream:
         with self._lock:
@@ -279,6 +303,8 @@ class AsyncLLM:
         self._output_thread.join()
         self._core.close()
         self._pool.shutdown()
+        if self._owns_stage_pools:
+            self.stage_pools.close()
 
     async def __aenter__(self) -> "AsyncLLM":
         return self

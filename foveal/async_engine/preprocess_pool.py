@@ -5,6 +5,9 @@ hundreds of milliseconds per large image; done here, a burst of images stalls
 neither the asyncio event loop nor the engine loop. Each worker builds its own
 InputProcessor from the EngineConfig and pickles the finished request once, so
 the API process forwards the pixel tensors to the core without touching them.
+A prompt with videos takes two calls: `video_speech` (each video's audio
+track, extracted here) and then `process` with the transcripts the API
+process's speech-to-text stage made of them.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 from foveal.async_engine.messages import AddRequest, encode
 from foveal.config import EngineConfig
@@ -61,17 +65,25 @@ def _init_worker(config: EngineConfig) -> None:
 
 
 def _preprocess(processor: InputProcessor, request_id: str, prompt: PromptType,
-                params: SamplingParams) -> PreprocessedRequest:
-    processed = processor.process(request_id, prompt, params)
+                params: SamplingParams, transcripts: Sequence[str | None] | None
+                ) -> PreprocessedRequest:
+    processed = processor.process(request_id, prompt, params, transcripts)
     request = processed.request
     return PreprocessedRequest(request_id, processed.text, request.prompt_token_ids,
                                request.sampling_params, encode(AddRequest(request)),
                                mm_plan=processed.mm_plan)
 
 
-def _preprocess_in_worker(request_id: str, prompt: PromptType,
-                          params: SamplingParams) -> PreprocessedRequest:
-    return _preprocess(_worker_processor, request_id, prompt, params)
+def _video_speech(processor: InputProcessor, prompt: PromptType) -> list[bytes | None] | None:
+    return processor.video_speech(prompt)
+
+
+def _run_in_worker(function: Callable, *args: Any) -> Any:
+    return function(_worker_processor, *args)
+
+
+def _run_with(processor: InputProcessor, function: Callable, *args: Any) -> Any:
+    return function(processor, *args)
 
 
 def _warm_up() -> None:
@@ -90,10 +102,10 @@ class PreprocessPool:
         self._lock = threading.Lock()
         if num_workers == 0:
             self._executor: Executor = ThreadPoolExecutor(1, "foveal-preprocess")
-            self._function = functools.partial(_preprocess, _build_processor(config))
+            self._runner: Callable = functools.partial(_run_with, _build_processor(config))
         else:
             self._executor = self._start_processes()
-            self._function = _preprocess_in_worker
+            self._runner = _run_in_worker
 
     def _start_processes(self) -> ProcessPoolExecutor:
         executor = ProcessPoolExecutor(
@@ -103,22 +115,30 @@ class PreprocessPool:
             executor.submit(_warm_up)
         return executor
 
-    async def process(self, request_id: str, prompt: PromptType,
-                      params: SamplingParams) -> PreprocessedRequest:
-        """Raises the InvalidRequestError the InputProcessor raised."""
+    async def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                      transcripts: Sequence[str | None] | None = None) -> PreprocessedRequest:
+        """Raises the InvalidRequestError the InputProcessor raised. transcripts:
+        one per video, made from `video_speech` (InputProcessor.process)."""
+        start = time.perf_counter()
+        result = await self._call(request_id, _preprocess, request_id, prompt, params, transcripts)
+        result.preprocess_time = time.perf_counter() - start
+        return result
+
+    async def video_speech(self, request_id: str, prompt: PromptType) -> list[bytes | None] | None:
+        """Each video's audio track for the speech-to-text stage (InputProcessor.video_speech)."""
+        return await self._call(request_id, _video_speech, prompt)
+
+    async def _call(self, request_id: str, function: Callable, *args: Any) -> Any:
+        """function(the worker's InputProcessor, *args), run in the pool."""
         loop = asyncio.get_running_loop()
         executor = self._executor
-        start = time.perf_counter()
         try:
-            result = await loop.run_in_executor(executor, self._function, request_id,
-                                                prompt, params)
+            return await loop.run_in_executor(executor, self._runner, function, *args)
         except BrokenProcessPool:
             self._replace_broken(executor)
             raise InvalidRequestError(
                 f"request {request_id!r}: a preprocessing worker process died while "
                 f"preparing it (malformed media or out of memory); check its inputs") from None
-        result.preprocess_time = time.perf_counter() - start
-        return result
 
     def _replace_broken(self, broken: Executor) -> None:
         with self._lock:

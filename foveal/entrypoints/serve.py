@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = server_config(args, model_dir)
     engine_args = EngineArgs.from_kwargs(model_dir, **serve_engine_kwargs(args))
     engine = AsyncLLM(engine_args, preprocess_workers=args.preprocess_workers,
-                      max_pending_requests=args.max_pending_requests)
+                      max_pending_requests=args.max_pending_requests, stages=config.stages)
     serve(engine, config, args.host, args.port)
     return 0
 

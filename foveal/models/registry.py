@@ -1,14 +1,14 @@
 """HF architecture string -> model class, imported on first use."""
 from __future__ import annotations
 
-import importlib
-
 from foveal.errors import ConfigError
+from foveal.lazy_import import resolve
 
-_MODELS: dict[str, tuple[str, str]] = {
-    "Qwen2VLForConditionalGeneration": ("foveal.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
-    "Qwen2_5_VLForConditionalGeneration": ("foveal.models.qwen2_5_vl",
-                                           "Qwen2_5_VLForConditionalGeneration"),
+# HF architecture -> "module:Class"
+_MODELS: dict[str, str] = {
+    "Qwen2VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration":
+        "foveal.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 
@@ -20,5 +20,4 @@ def get_model_class(architecture: str) -> type:
     if architecture not in _MODELS:
         raise ConfigError(f"architecture {architecture!r} is not supported; supported: "
                           f"{', '.join(supported_architectures())}")
-    module_name, class_name = _MODELS[architecture]
-    return getattr(importlib.import_module(module_name), class_name)
+    return resolve(_MODELS[architecture])

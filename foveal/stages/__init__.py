@@ -4,15 +4,11 @@ Stages are registry entries: name -> "module:Class", imported only when a pool
 or a worker needs them, so `import foveal.stages` loads no model library.
 Worker processes receive the "module:Class" string, not the class, so a
 stage registered by a plugin or a test works in spawned workers too.
-
-Importing this package also registers the "whisper" transcriber (in-process
-faster-whisper) with `foveal.multimodal.transcriber`.
 """
 from __future__ import annotations
 
-import importlib
-
 from foveal.errors import ConfigError
+from foveal.lazy_import import resolve
 
 _STAGES: dict[str, str] = {
     "pdf": "foveal.stages.pdf:PdfStage",
@@ -37,23 +33,7 @@ def stage_target(name: str) -> str:
 
 
 def load_stage_class(target: str) -> type:
-    module_name, _, class_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
-
-
-def _whisper_transcriber():
-    from foveal.stages.asr import WhisperTranscriber
-
-    return WhisperTranscriber()
-
-
-def _register_transcribers() -> None:
-    from foveal.multimodal.transcriber import register_transcriber
-
-    register_transcriber("whisper", _whisper_transcriber)
-
-
-_register_transcribers()
+    return resolve(target)
 
 
 def __getattr__(name: str):

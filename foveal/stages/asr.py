@@ -6,23 +6,21 @@ package is used. Nothing is downloaded: a missing folder is a ConfigError.
 
 Both satisfy `foveal.multimodal.transcriber.Transcriber`
 (`transcribe(samples float32 mono, sample_rate) -> [TranscriptSegment]`):
-`WhisperTranscriber` runs the model in this process (registered as
+`WhisperTranscriber` runs the model in this process (the transcriber named
 "whisper"); `StageTranscriber` sends the samples to the "asr" stage of a
-`StagePools`, so video audio tracks use the scaled, cached workers too.
-`AsrStage` runs `WhisperTranscriber` in worker processes on encoded audio
-of any format.
+`StagePools` (scaled, cached workers). `AsrStage` runs `WhisperTranscriber`
+in worker processes on encoded audio of any format: input_audio parts and
+videos' audio tracks (`foveal.stages.assembly`) both reach it.
 """
 from __future__ import annotations
 
-import io
 import os
-import wave
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from foveal.errors import ConfigError, MediaError
-from foveal.multimodal.media.audio import SAMPLE_RATE, decode_audio
+from foveal.multimodal.media.audio import SAMPLE_RATE, decode_audio, encode_wav
 from foveal.multimodal.transcriber import TranscriptSegment
 from foveal.stages.base import Stage
 
@@ -67,10 +65,13 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+ASR_NAME = "whisper"  # how transcripts name their speech model: "(asr: whisper)"
+
+
 class WhisperTranscriber:
     """faster-whisper in this process; samples are float32 mono, shape (N,)."""
 
-    name = "whisper"
+    name = ASR_NAME
 
     def __init__(self, options: AsrOptions = AsrOptions()) -> None:
         from faster_whisper import WhisperModel
@@ -93,7 +94,7 @@ class WhisperTranscriber:
 class StageTranscriber:
     """The Transcriber protocol over the "asr" stage of a StagePools (workers + cache)."""
 
-    name = "whisper"
+    name = ASR_NAME
 
     def __init__(self, stages) -> None:
         self.stages = stages
@@ -102,19 +103,7 @@ class StageTranscriber:
         samples = _to_16k_mono(samples, sample_rate)
         if samples.size == 0:
             return []
-        return self.stages.run_sync("asr", AsrItem(wav_bytes(samples))).segments
-
-
-def wav_bytes(samples: np.ndarray) -> bytes:
-    """16 kHz mono float32 samples -> a 16-bit PCM WAV file (speech needs no more)."""
-    pcm = (np.clip(samples, -1.0, 1.0) * 32767).astype("<i2")
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(SAMPLE_RATE)
-        out.writeframes(pcm.tobytes())
-    return buffer.getvalue()
+        return self.stages.run_sync("asr", AsrItem(encode_wav(samples))).segments
 
 
 def _to_16k_mono(samples: np.ndarray, sample_rate: int) -> np.ndarray:

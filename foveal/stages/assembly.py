@@ -15,12 +15,17 @@ BEFORE chat parsing. It returns new messages in which
   messages hold several clips).
 - an image part is kept; with ocr="on" a `[OCR of image 1]` text part follows it.
 
+Videos' audio tracks go through the same "asr" stage (`video_transcripts`): the
+input processor extracts each track (`InputProcessor.video_speech`), the stage
+transcribes it, and the marked transcript goes right after its video.
+
 Options (`PreprocessOptions`, or a dict of its fields; defaults need no flags):
   pdf_mode  text | image | both | auto (default). auto: a page with a text layer gives
             its text, a page without one (a scan) gives its image and its OCR text.
   ocr       on | off | auto (default). auto: OCR only pages with no text layer;
             on: also every rendered page and every image; off: never.
-  transcribe_audio  default true; false makes an audio part an error (the model has no ears).
+  transcribe_audio  default true; false makes an audio part an error (the model has no ears)
+            and keeps videos' audio tracks out of the prompt.
   allow_images      default true; false keeps page images out (OCR text still comes).
   max_pixels_per_page, pdf_pages ("1-3,7"): passed to the PDF stage.
 
@@ -32,14 +37,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from foveal.errors import InvalidRequestError
 from foveal.multimodal.media.audio import read_media_bytes
 from foveal.multimodal.media.data_url import decode_base64
 from foveal.multimodal.media.image import load_image
 from foveal.multimodal.media.pdf import encode_png
-from foveal.stages.asr import AsrItem
+from foveal.multimodal.transcriber import TranscriptSegment, video_transcript
+from foveal.stages.asr import ASR_NAME, AsrItem
 from foveal.stages.ocr import OcrItem
 from foveal.stages.pdf import PdfItem, PdfPage
 
@@ -162,17 +168,37 @@ class _Expander:
                                       "its transcript instead, or remove the input_audio part")
         if "data" not in audio:
             raise InvalidRequestError("an input_audio part needs {'data': <base64>, 'format': 'wav'}")
-        result = await self.stages.run("asr", AsrItem(decode_base64(audio["data"], "audio")))
+        segments = await transcribe(self.stages, decode_base64(audio["data"], "audio"))
         name = "audio" if self.num_audio == 1 else f"audio {index}"
-        if not result.segments:
+        if not segments:
             return [_text(f"[Transcript of {name}: no speech]")]
-        lines = [f"[Transcript of {name} {_clock(s.start)}-{_clock(s.end)}] {s.text}" for s in result.segments]
+        lines = [f"[Transcript of {name} {_clock(s.start)}-{_clock(s.end)}] {s.text}" for s in segments]
         return [_text("\n".join(lines))]
 
     async def _image_with_ocr(self, part: dict, index: int) -> list[dict]:
         image = load_image(_image_source(part), self.options.max_image_pixels)
         result = await self.stages.run("ocr", OcrItem(encode_png(image)))
         return [part, _text(f"[OCR of image {index}]\n{result.text}")]
+
+
+async def transcribe(stages, audio: bytes | None) -> list[TranscriptSegment]:
+    """Segments of an encoded audio file from the "asr" stage; none for no audio."""
+    if audio is None:
+        return []
+    return (await stages.run("asr", AsrItem(audio))).segments
+
+
+async def video_transcripts(stages, speech: Sequence[bytes | None]) -> list[str | None]:
+    """The marked transcript of each video's audio track (from
+    `InputProcessor.video_speech`), or None where it holds no speech. All tracks
+    go to the stage at once; its cache answers a track heard before."""
+    segments = await asyncio.gather(*(transcribe(stages, audio) for audio in speech))
+    return [video_transcript(found, number, ASR_NAME) for number, found in enumerate(segments, 1)]
+
+
+def video_transcripts_sync(stages, speech: Sequence[bytes | None]) -> list[str | None]:
+    """Blocking form for callers with no event loop running (e.g. `LLM.generate`)."""
+    return asyncio.run(video_transcripts(stages, speech))
 
 
 async def _unchanged(part: Any) -> list:
@@ -197,13 +223,17 @@ def _clock(seconds: float) -> str:
 
 _STAGE_PARTS = ("file", "input_audio")
 PREPROCESS_OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(PreprocessOptions))
+# Options the input processor reads too: transcribe_audio also covers videos' audio tracks.
+_SHARED_OPTION_KEYS = frozenset({"transcribe_audio"})
 
 
 def split_preprocess_options(kwargs: Mapping[str, Any] | None) -> tuple[dict, dict]:
     """Per-request mm_processor_kwargs -> (preprocessing options, model processor kwargs)."""
     kwargs = dict(kwargs or {})
-    options = {key: kwargs.pop(key) for key in list(kwargs) if key in PREPROCESS_OPTION_KEYS}
-    return options, kwargs
+    options = {key: value for key, value in kwargs.items() if key in PREPROCESS_OPTION_KEYS}
+    processor_kwargs = {key: value for key, value in kwargs.items()
+                        if key not in PREPROCESS_OPTION_KEYS or key in _SHARED_OPTION_KEYS}
+    return options, processor_kwargs
 
 
 def needs_stages(messages: list[dict], options: Mapping[str, Any]) -> bool:

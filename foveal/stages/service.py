@@ -135,6 +135,15 @@ class StagePools:
         self.close()
 
 
+def stage_pools_for(stages: Any) -> tuple[StagePools, bool]:
+    """(pools, owned): a StagePools is used as given (its creator closes it); anything
+    else (StagesConfig, {"asr": 2}, "ocr=2,asr=1", None) configures new pools that
+    the caller owns and closes."""
+    if isinstance(stages, StagePools):
+        return stages, False
+    return StagePools(stages), True
+
+
 def _done(result: Any) -> Future:
     future: Future = Future()
     future.set_result(result)

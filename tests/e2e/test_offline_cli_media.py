@@ -8,27 +8,11 @@ import subprocess
 
 import pytest
 
-from foveal import LLM
 from foveal.entrypoints.cli import main
 from tests.stages.stage_documents import make_text_pdf
 
 ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(16 << 20),
                 "--max-tokens", "2"]
-
-
-@pytest.fixture()
-def chat_prompts(monkeypatch) -> list[str]:
-    """The prompt text of every LLM.chat output, as the CLI runs it."""
-    prompts: list[str] = []
-    original = LLM.chat
-
-    def recording_chat(self, *args, **kwargs):
-        outputs = original(self, *args, **kwargs)
-        prompts.extend(output.prompt for output in outputs)
-        return outputs
-
-    monkeypatch.setattr(LLM, "chat", recording_chat)
-    return prompts
 
 
 @pytest.fixture(scope="module")

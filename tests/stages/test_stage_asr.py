@@ -5,6 +5,7 @@ import base64
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -68,7 +69,7 @@ def test_transcribers_take_samples_and_return_start_end_text_segments(real_stage
     from foveal.stages import stage_names
     from foveal.stages.asr import StageTranscriber
 
-    assert "asr" in stage_names()  # importing foveal.stages registered "whisper"
+    assert "asr" in stage_names()
     _speak("Please open the front door.", tmp_path / "door.wav")
     samples = load_audio(tmp_path / "door.wav")
     for transcriber in (get_transcriber("whisper"), StageTranscriber(real_stages)):
@@ -101,3 +102,11 @@ def test_audio_without_transcription_is_an_invalid_request(real_stages):
     messages = [{"role": "user", "content": [_audio_part(b"RIFF", "wav")]}]
     with pytest.raises(InvalidRequestError, match="set transcribe_audio=true"):
         expand_preprocessed_parts_sync(messages, real_stages, {"transcribe_audio": False})
+
+
+def test_whisper_transcriber_needs_no_import_of_foveal_stages_first():
+    code = ("import sys\nfrom foveal.multimodal.transcriber import get_transcriber\n"
+            "assert 'foveal.stages' not in sys.modules\nprint(get_transcriber('whisper').name)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "whisper"

@@ -31,7 +31,9 @@ def build_app(engine, config: ServerConfig, *, owns_engine: bool = False,
               stage_pools: StagePools | None = None) -> FastAPI:
     """owns_engine: shut the engine down with the app (several apps may share one).
     stage_pools: stages to use (the caller closes them); default: the app's own,
-    built from config.stages and closed with the app."""
+    built from config.stages and closed with the app. Pass the AsyncLLM's
+    `stage_pools` so that input_audio parts and videos' audio tracks share one
+    speech-to-text pool and cache."""
     fetcher = MediaFetcher(config.media)
     stages = stage_pools or StagePools(config.stages)
     metrics = ServerMetrics(stages)
@@ -114,5 +116,5 @@ def serve(engine, config: ServerConfig, host: str, port: int) -> None:
     re-raises SIGINT/SIGTERM once it has stopped, so code after run() never runs."""
     import uvicorn
 
-    app = build_app(engine, config, owns_engine=True)
+    app = build_app(engine, config, owns_engine=True, stage_pools=engine.stage_pools)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)

@@ -5,7 +5,11 @@ events.
 PDF and audio parts go through the preprocessing stages first (as in
 `LLM.chat`); then media URLs are fetched here, in the API process, and the
 bytes go to the engine with each image's `detail` and the request's
-mm_processor_kwargs (max_visual_tokens, max_pixels, fps, ...).
+mm_processor_kwargs (max_visual_tokens, max_pixels, fps, transcribe_audio, ...).
+The engine sends each video's audio track to the same speech-to-text stage
+(when the server built it with these pools) and puts the transcript after the
+video; with transcribe_audio=false it does not (and an input_audio part is an
+error).
 """
 from __future__ import annotations
 

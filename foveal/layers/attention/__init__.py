@@ -9,10 +9,9 @@ and become the default for their device type.
 """
 from __future__ import annotations
 
-import importlib
-
 from foveal.errors import ConfigError
 from foveal.layers.attention.layer import Attention
+from foveal.lazy_import import resolve
 
 # name -> "module:Class", imported on first use
 _BACKENDS: dict[str, str] = {"sdpa": "foveal.layers.attention.sdpa:SdpaBackend"}
@@ -32,8 +31,7 @@ def get_attention_backend(device_type: str, name: str | None = None) -> type:
     name = name or _DEVICE_DEFAULTS.get(device_type, "sdpa")
     if name not in _BACKENDS:
         raise ConfigError(f"attention backend {name!r} is unknown; registered: {sorted(_BACKENDS)}")
-    module_name, class_name = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return resolve(_BACKENDS[name])
 
 
 __all__ = ["Attention", "get_attention_backend", "register_attention_backend"]

@@ -3,6 +3,7 @@
 Sources: raw bytes, a filesystem path, a `file://` URL or a base64
 `data:audio/...` URL. `read_media_bytes` is the byte-level half, shared with
 the PDF loader: it turns any of those sources into the file's bytes.
+`encode_wav` goes the other way, for samples sent to a speech model.
 
 The duration limit is checked while decoding, so a long recording fails as
 soon as it passes the limit instead of after the whole file is in memory.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import io
 import pathlib
 import urllib.parse
+import wave
 
 import numpy as np
 
@@ -48,6 +50,18 @@ def decode_audio(data: bytes, max_duration_s: float | None = None) -> np.ndarray
     if not chunks:
         raise MediaError("the audio stream holds no samples")
     return np.concatenate(chunks).astype(np.float32, copy=False)
+
+
+def encode_wav(samples: np.ndarray) -> bytes:
+    """16 kHz mono float32 samples, shape (N,) -> a 16-bit PCM WAV file (speech needs no more)."""
+    pcm = (np.clip(samples, -1.0, 1.0) * 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(SAMPLE_RATE)
+        out.writeframes(pcm.tobytes())
+    return buffer.getvalue()
 
 
 _AUDIO_LIMIT_HINT = "--max-audio-seconds, or the asr stage option max_duration_s"

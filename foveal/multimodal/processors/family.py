@@ -1,0 +1,84 @@
+"""What the input processor needs of one model family's media processing.
+
+A `ProcessorFamily` bundles a family's image and video processor classes, the
+mm_processor_kwargs each accepts, how a prompt's media placeholders expand,
+and the numbers the visual-token planner works with. The registry
+(`foveal.multimodal.processors`) hands out one per HF model_type, so the input
+processor holds no model-specific code.
+
+The protocols below are what the input processor calls on the processors and
+on their outputs; a new family's classes implement them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from foveal.multimodal.budget import Geometry
+    from foveal.multimodal.inputs import MMFeature
+    from foveal.multimodal.media.video import DecodedVideo, VideoSampling
+
+
+class ProcessedItem(Protocol):
+    """One processed image or video, ready to become an `MMFeature`."""
+
+    modality: str  # "image" | "video"
+    num_tokens: int  # placeholder tokens the item fills
+    mm_hash: str
+
+    def feature_data(self) -> dict[str, Any]:
+        """The MMFeature's data: the encoder's arrays plus plain values (grid, timing)."""
+
+
+class ImageProcessor(Protocol):
+    min_pixels: int
+    max_pixels: int
+
+    @classmethod
+    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "ImageProcessor":
+        """Read the checkpoint's processor config, then apply mm_processor_kwargs overrides."""
+
+    def with_overrides(self, overrides: dict) -> "ImageProcessor":
+        """A copy with mm_processor_kwargs applied ({"max_pixels": n} included)."""
+
+    def tensor_params(self) -> dict[str, Any]:
+        """Every parameter that changes the output tensors (processor-cache key)."""
+
+    def process(self, image: "Image.Image") -> ProcessedItem: ...
+
+
+class VideoProcessor(Protocol):
+    sampling: "VideoSampling"  # the frame-sampling rule (fps, min/max frames)
+
+    @classmethod
+    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "VideoProcessor": ...
+
+    def with_overrides(self, overrides: dict) -> "VideoProcessor": ...
+
+    def with_max_pixels(self, max_pixels: int) -> "VideoProcessor":
+        """A copy whose frames are resized to at most `max_pixels` (the planner's choice)."""
+
+    def process(self, video: "DecodedVideo") -> ProcessedItem: ...
+
+
+# (token ids, modality -> (placeholder token id, processed items in prompt order))
+#   -> (ids with each placeholder repeated item.num_tokens times, one MMFeature per item)
+PlaceholderExpander = Callable[[list[int], dict[str, tuple[int, list]]],
+                               tuple[list[int], list["MMFeature"]]]
+
+
+@dataclass(frozen=True)
+class ProcessorFamily:
+    """One model family's media processing, as the input processor uses it."""
+
+    name: str
+    image_processor_class: type  # an ImageProcessor
+    video_processor_class: type  # a VideoProcessor
+    image_override_keys: tuple[str, ...]  # mm_processor_kwargs the image processor takes
+    video_override_keys: tuple[str, ...]  # mm_processor_kwargs the video processor takes
+    expand_placeholders: PlaceholderExpander
+    # (image processor, video processor) -> the planner's Geometry
+    planner_geometry: Callable[[Any, Any], "Geometry"]
