@@ -60,12 +60,14 @@ class EngineArgs:
             raise ConfigError(
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={model_config.text.max_position_embeddings}")
-        self._check_cache_options()
+        kv_cache_dtype = self._check_cache_options()
         parallel = self._parallel_config()
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
+        dtype = resolve_dtype(self.dtype, device)
         return EngineConfig(
             model=model_config,
-            cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+            cache=CacheConfig(block_size=self.block_size,
+                              kv_cache_dtype=dtype if kv_cache_dtype == "auto" else kv_cache_dtype,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               enable_prefix_caching=self.enable_prefix_caching,
@@ -81,7 +83,7 @@ class EngineArgs:
                                         mm_processor_kwargs=dict(self.mm_processor_kwargs),
                                         processor_cache_size=self.processor_cache_size),
             parallel=parallel,
-            dtype=resolve_dtype(self.dtype, device),
+            dtype=dtype,
             device=device,
             load_format=self.load_format,
             seed=self.seed,
@@ -103,16 +105,28 @@ class EngineArgs:
                               "use tensor_parallel_size=1")
         return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend)
 
-    def _check_cache_options(self) -> None:
+    def _check_cache_options(self) -> str:
+        """Validate the cache options; returns the canonical kv_cache_dtype."""
+        from foveal.layers.attention.kv_quant import (QUANTIZED_KV_DTYPES, canonical_kv_dtype,
+                                                      get_kv_codec)
         from foveal.worker.device import DTYPE_NAMES
-        from foveal.worker.kv_offload import BLOCK_STORES
 
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPE_NAMES:
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}; use auto or one of "
-                              f"{', '.join(DTYPE_NAMES)} (--kv-cache-dtype)")
         if self.processor_cache_size < 0:
             raise ConfigError(f"processor_cache_size={self.processor_cache_size}; use bytes >= 0 "
                               "(0 turns the processor cache off)")
+        kv_dtype = canonical_kv_dtype(self.kv_cache_dtype)
+        if kv_dtype in QUANTIZED_KV_DTYPES:
+            get_kv_codec(kv_dtype)  # raises if this torch cannot store it
+        elif kv_dtype != "auto" and kv_dtype not in DTYPE_NAMES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}; use auto or one of "
+                              f"{', '.join((*QUANTIZED_KV_DTYPES, *DTYPE_NAMES))} "
+                              "(--kv-cache-dtype)")
+        self._check_offload_options()
+        return kv_dtype
+
+    def _check_offload_options(self) -> None:
+        from foveal.worker.kv_offload import BLOCK_STORES
+
         if self.kv_offload is None:
             return
         if self.kv_offload not in BLOCK_STORES:

@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from foveal.bench.kv_cache import register_kv_cache
 from foveal.bench.model_source import add_model_source_args, model_dir_from_args
 from foveal.bench.multiturn import register_multiturn
 from foveal.bench.serve import register_serve
@@ -107,3 +108,4 @@ def register(subparsers) -> None:
     register_multiturn(bench_commands)
     register_stages(bench_commands)
     register_video(bench_commands)
+    register_kv_cache(bench_commands)

@@ -59,6 +59,11 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens the pool holds when full."""
+        return self.num_blocks * self.block_size
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 

@@ -50,8 +50,10 @@ def build_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig
                if cache_config.kv_offload else None)
     kv = KVCacheManager(num_blocks, cache_config.block_size,
                         cache_config.enable_prefix_caching, offload)
-    return Scheduler(scheduler_config, kv, EncoderBudget(cache_config.encoder_cache_size),
-                     encoder_connector)
+    scheduler = Scheduler(scheduler_config, kv, EncoderBudget(cache_config.encoder_cache_size),
+                          encoder_connector)
+    scheduler.stats.kv_cache_dtype = cache_config.kv_cache_dtype
+    return scheduler
 
 
 class Scheduler:
@@ -68,7 +70,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(kv_cache_capacity_tokens=kv.num_tokens)
         self._finished_ids: set[str] = set()
         self._num_blocks_sent: dict[str, int] = {}  # blocks the workers know of
 

@@ -22,6 +22,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative tokens verified
     num_draft_tokens_rejected: int = 0
+    kv_cache_dtype: str = "auto"  # as stored: float32 | bfloat16 | float16 | int8 | int4 | fp8_e4m3
+    kv_cache_capacity_tokens: int = 0
     finished: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(FINISH_REASONS.values(), 0))
 
@@ -43,6 +45,8 @@ class SchedulerStats:
             "foveal:spec_decode_num_accepted_tokens_total":
                 self.num_draft_tokens - self.num_draft_tokens_rejected,
             "foveal:kv_cache_usage_perc": kv_cache_usage,
+            "foveal:kv_cache_capacity_tokens": self.kv_cache_capacity_tokens,
+            f'foveal:kv_cache_info{{kv_cache_dtype="{self.kv_cache_dtype}"}}': 1,
             "foveal:num_requests_running": num_running,
             "foveal:num_requests_waiting": num_waiting,
         }

@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="KV pool size (default: a fraction of free memory)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-dtype", default="auto",
-                       help="KV block storage: auto (the model dtype), float32, bfloat16, float16")
+                       help="KV block storage: auto (the model dtype), float32, bfloat16, "
+                            "float16, or quantized: int8, fp8 (fp8_e4m3), int4")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", help="turn prefix caching off")
     group.add_argument("--encoder-cache-size", type=int, default=16384,

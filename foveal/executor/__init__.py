@@ -6,12 +6,15 @@ for local processes and Ray register here under their own names.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from foveal.config import EngineConfig
 from foveal.engine.core import EngineCore
 from foveal.errors import ConfigError
+from foveal.lazy_import import resolve
+from foveal.logger import init_logger
+
+logger = init_logger(__name__)
 
 # name -> "module:Class", imported on first use
 _EXECUTORS: dict[str, str] = {"uni": "foveal.executor.uniproc:UniProcExecutor"}
@@ -30,8 +33,7 @@ def get_executor_class(name: str) -> type:
     if name not in _EXECUTORS:
         raise ConfigError(f"executor {name!r} is unknown; registered: {executor_names()} "
                           "(--distributed-executor-backend)")
-    module_name, class_name = _EXECUTORS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return resolve(_EXECUTORS[name])
 
 
 def build_engine_core(engine_config: EngineConfig, encoder_connector: Any = None,
@@ -48,6 +50,9 @@ def build_engine_core(engine_config: EngineConfig, encoder_connector: Any = None
     executor = executor_class(engine_config, encoder_connector_worker)
     scheduler = build_scheduler(engine_config.scheduler, engine_config.cache,
                                 executor.num_blocks, executor.block_bytes, encoder_connector)
+    spec = executor.kv_cache_spec
+    logger.info("KV cache: %s tokens (%s), %.2f GiB per rank", f"{scheduler.kv.num_tokens:,}",
+                spec.dtype_name, executor.num_blocks * spec.block_bytes / (1 << 30))
     return EngineCore(scheduler, executor)
 
 

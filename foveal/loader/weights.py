@@ -21,6 +21,7 @@ from torch import nn
 from foveal.config import EngineConfig
 from foveal.errors import CheckpointError, ConfigError
 from foveal.layers.linear import default_weight_loader
+from foveal.loader.kv_scales import KVScaleCollector, is_kv_scale
 from foveal.models.registry import get_model_class
 
 _MAX_NAMES_SHOWN = 8
@@ -70,15 +71,22 @@ def _names(names: Iterable[str]) -> str:
     return ", ".join(names[:_MAX_NAMES_SHOWN]) + more
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       kv_scales: KVScaleCollector | None = None) -> set[str]:
     """Copy HF-named tensors into `model`; returns the parameter names loaded.
 
+    KV-cache scales (k_scale / v_scale / kv_scale) go to `kv_scales`.
     Raises CheckpointError naming the checkpoint tensors that match no parameter."""
     params = dict(model.named_parameters())
     tied = getattr(model.config.text, "tie_word_embeddings", False)
+    kv_scales = kv_scales or KVScaleCollector(model)
     loaded, unexpected = set(), []
     for hf_name, tensor in weights:
         name, shard_id = _map_name(model, hf_name)
+        if name and is_kv_scale(name):
+            module_path, suffix = name.rsplit(".", 1)
+            kv_scales.add(module_path, suffix, tensor)
+            continue
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store the head too; it is the embedding
         param = params.get(name) if name else None
@@ -144,7 +152,10 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     if engine_config.load_format == "dummy":
         init_dummy_weights(model, engine_config.seed)
     elif engine_config.load_format in ("auto", "safetensors"):
-        loaded = load_named_weights(model, iterate_checkpoint(engine_config.model.path))
+        kv_scales = KVScaleCollector(model)
+        loaded = load_named_weights(model, iterate_checkpoint(engine_config.model.path), kv_scales)
+        kv_scales.apply(engine_config.cache.kv_cache_dtype,
+                        engine_config.model.text.num_key_value_heads)
         missing = set(dict(model.named_parameters())) - loaded
         if missing:
             raise CheckpointError(f"checkpoint {engine_config.model.path} lacks weights: "

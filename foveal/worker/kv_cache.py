@@ -10,6 +10,8 @@ import torch
 
 from foveal.config import CacheConfig, ModelConfig
 from foveal.errors import ConfigError
+from foveal.layers.attention.kv_quant import (QUANTIZED_KV_DTYPES, canonical_kv_dtype,
+                                              get_kv_codec)
 from foveal.layers.attention.kv_spec import KVCacheSpec
 from foveal.worker.device import torch_dtype
 
@@ -18,12 +20,18 @@ def kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig, model_dt
                   tp_size: int = 1) -> KVCacheSpec:
     """This rank's KV layout: KV heads split over tp_size ranks (replicated when
     there are fewer heads than ranks), stored in cache_config.kv_cache_dtype
-    ("auto": the model's dtype)."""
+    ("auto": the model's dtype; int8 / int4 / fp8_e4m3: quantized blocks
+    with scales, kv_quant.py)."""
     text = model_config.text
-    name = model_dtype if cache_config.kv_cache_dtype == "auto" else cache_config.kv_cache_dtype
+    name = canonical_kv_dtype(cache_config.kv_cache_dtype)
+    quantized = name in QUANTIZED_KV_DTYPES
+    if quantized:
+        get_kv_codec(name)  # ConfigError now if this torch cannot store it
+    float_name = model_dtype if name == "auto" or quantized else name
     return KVCacheSpec(num_layers=text.num_hidden_layers, block_size=cache_config.block_size,
                        num_kv_heads=max(1, text.num_key_value_heads // tp_size),
-                       head_dim=text.head_dim, dtype=torch_dtype(name))
+                       head_dim=text.head_dim, dtype=torch_dtype(float_name),
+                       quantization=name if quantized else None)
 
 
 def available_kv_memory(cache_config: CacheConfig, device: str | torch.device) -> int:

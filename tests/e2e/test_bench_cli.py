@@ -48,3 +48,26 @@ def test_bench_throughput_on_checkpoint_saved_by_transformers(tmp_path, capsys):
     foveal, hf = json.loads(report_path.read_text())["results"]
     assert foveal["output_tokens"] == hf["output_tokens"] == 16
     assert foveal["prompt_tokens"] == hf["prompt_tokens"]
+
+
+def test_bench_kv_cache_compares_dtypes_at_one_pool_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path / "cache"))
+    report_path = tmp_path / "kv.json"
+    rc = main(["bench", "kv-cache", "--dummy", "tiny-qwen2-vl", "--kv-dtypes", "float32,int8,int4",
+               "--num-prompts", "8", "--images-per-prompt", "1", "--image-size", "112x84",
+               "--output-len", "24", "--output-len-range", "0", "--max-model-len", "128",
+               "--kv-cache-memory-bytes", str(12 * 8192), "--long-context", "300",
+               "--decode-tokens", "4", "--accuracy-prompts", "1", "--accuracy-tokens", "8",
+               "--json", str(report_path)])
+    assert rc == 0
+    assert "| int4 |" in capsys.readouterr().out
+    rows = {row["kv_cache_dtype"]: row for row in json.loads(report_path.read_text())["rows"]}
+    # tiny preset: head_dim 16, so a float16 scale per 16 values costs more than at real sizes
+    assert rows["float32"]["capacity_tokens"] == 12 * 16
+    assert rows["int8"]["capacity_tokens"] >= 3.5 * rows["float32"]["capacity_tokens"]
+    assert rows["int4"]["capacity_tokens"] >= 6 * rows["float32"]["capacity_tokens"]
+    assert rows["float32"]["preemptions"] > rows["int4"]["preemptions"]
+    assert rows["float32"]["peak_running_before_preemption"] < \
+        rows["int4"]["peak_running_before_preemption"]
+    assert rows["float32"]["top1_agreement"] == 1.0 and rows["int8"]["positions"] == 8
+    assert all(row["decode_ms_per_token"] > 0 for row in rows.values())

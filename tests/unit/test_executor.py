@@ -92,8 +92,13 @@ def test_every_rank_gets_the_same_plans_and_payloads_and_the_smallest_pool_wins(
     while core.has_unfinished_requests():
         finished |= {o.request_id for o in core.step() if o.finished}
     assert finished == {"a", "b"}
-    assert workers[0].received == workers[1].received and len(workers[0].received) > 3
     plans = [pickle.loads(blob) for blob in workers[0].received]
+    other_rank = [pickle.loads(blob) for blob in workers[1].received]
+    assert len(plans) > 3 and [plan for plan, _ in plans] == [plan for plan, _ in other_rank]
+    for (_, payloads), (_, other) in zip(plans, other_rank):
+        assert payloads.keys() == other.keys()
+        assert all(torch.equal(payloads[h]["pixel_values"], other[h]["pixel_values"])
+                   for h in payloads)
     shipped = [payloads for _, payloads in plans if payloads]
     new_features = [f for plan, _ in plans for new in plan.new_requests for f in new.mm_features]
     assert [f.data for f in new_features] == [{"grid_thw": (1, 2, 4)}]  # no pixels in plans

@@ -119,10 +119,11 @@ def test_kv_cache_dtype_other_than_the_model_dtype_sizes_the_pool():
 
 def test_scales_are_counted_in_block_bytes_and_allocated_beside_each_layer():
     spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
-                       dtype=torch.int8, scale_shape=(4, 2))
-    # per layer: K and V int8 (2 * 4 * 2 * 8 * 1) + float32 scales (2 * 4 * 2 * 4)
-    assert spec.block_bytes == 2 * (2 * 4 * 2 * 8 + 2 * 4 * 2 * 4)
+                       quantization="int8")
+    # per layer: K and V int8 (2 * 4 * 2 * 8 * 1) + float16 scales (2 * 4 * 2 * 2)
+    assert spec.block_bytes == 2 * (2 * 4 * 2 * 8 + 2 * 4 * 2 * 2)
     caches = spec.allocate(3, "cpu")
+    assert caches.layers[0].dtype == torch.int8
     assert [t.shape for t in caches.scales] == [(2, 3, 4, 2)] * 2
     total = sum(t.numel() * t.element_size() for t in caches.layers + caches.scales)
     assert total == 3 * spec.block_bytes
@@ -133,3 +134,18 @@ def test_kv_heads_are_split_over_tensor_parallel_ranks_and_replicated_when_scarc
     assert kv_cache_spec(config, CacheConfig(), "float32", tp_size=2).num_kv_heads == 1
     assert kv_cache_spec(config, CacheConfig(), "float32", tp_size=4).num_kv_heads == 1
     assert kv_cache_spec(config, CacheConfig(), "float32", tp_size=1).num_kv_heads == 2
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])  # the small preset; Qwen2-VL-2B / 7B
+def test_quantized_pools_hold_the_promised_token_multiples_scales_included(head_dim):
+    config = _model_config(layers=28, kv_heads=2, head_dim=head_dim)
+    memory = 1 << 30
+
+    def tokens(dtype: str) -> int:
+        cache = CacheConfig(block_size=16, kv_cache_dtype=dtype)
+        return kv_cache_spec(config, cache, "float32").num_blocks_for(memory, 16) * 16
+
+    for name, vs_16bit, vs_fp32 in (("int8", 1.9, 3.8), ("fp8_e4m3", 1.9, 3.8),
+                                    ("int4", 3.6, 7.0)):
+        assert tokens(name) >= vs_16bit * tokens("bfloat16"), name
+        assert tokens(name) >= vs_fp32 * tokens("float32"), name

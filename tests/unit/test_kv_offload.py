@@ -94,12 +94,12 @@ def test_block_reused_before_its_load_ran_cancels_the_load():
     assert not transfers and tier.num_hits == 0 and tier.contains(b"h")
 
 
-def kv_pool(num_layers=2, num_blocks=4, scale_shape=()) -> KVCaches:
+def kv_pool(num_layers=2, num_blocks=4, quantization=None) -> KVCaches:
     generator = torch.Generator().manual_seed(0)
-    spec = KVCacheSpec(num_layers, 4, 2, 8, torch.float32, scale_shape)
+    spec = KVCacheSpec(num_layers, 4, 2, 8, torch.float32, quantization)
     pool = spec.allocate(num_blocks, "cpu")
     for tensor in pool.layers + (pool.scales or []):
-        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        tensor.copy_(torch.randn(tensor.shape, generator=generator) * 50)
     return pool
 
 
@@ -107,8 +107,8 @@ def kv_caches(num_layers=2, num_blocks=4) -> KVCaches:
     return kv_pool(num_layers, num_blocks)
 
 
-def check_round_trip(store_name: str, tmp_path, scale_shape=()) -> None:
-    pool = kv_pool(scale_shape=scale_shape)
+def check_round_trip(store_name: str, tmp_path, quantization=None) -> None:
+    pool = kv_pool(quantization=quantization)
     tensors = pool.layers + (pool.scales or [])
     config = CacheConfig(kv_offload=store_name, kv_offload_path=str(tmp_path))
     worker = KVOffloadWorker(BLOCK_STORES[store_name](config), pool)
@@ -132,8 +132,9 @@ def test_disk_store_round_trips_a_block_and_drop_deletes_its_file(tmp_path):
 
 
 def test_offload_moves_a_quantized_block_with_its_scales(tmp_path):
-    check_round_trip("cpu", tmp_path, scale_shape=(4, 2))
-    check_round_trip("disk", tmp_path, scale_shape=(4, 2))
+    for quantization in ("int8", "int4"):
+        check_round_trip("cpu", tmp_path, quantization)
+        check_round_trip("disk", tmp_path, quantization)
 
 
 def test_save_then_load_into_the_same_block_in_one_step_reads_the_old_kv(tmp_path):

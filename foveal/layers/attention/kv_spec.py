@@ -5,9 +5,10 @@ tier, and later disaggregation transfers) read the layout from here, so a new
 cache dtype or a per-block scale tensor changes one file.
 
 Layout of one decoder layer (one rank):
-    cache  (2, num_blocks, block_size, num_kv_heads, head_dim)  index 0 keys, 1 values
-    scales (2, num_blocks, *scale_shape) float32, only for quantized dtypes
+    cache  (2, num_blocks, block_size, num_kv_heads, stored_head_dim)  0 keys, 1 values
+    scales (2, num_blocks, block_size, num_kv_heads) float16, quantized dtypes only
 Slot s of the pool is block s // block_size, offset s % block_size.
+stored_head_dim is head_dim, or head_dim / 2 for packed int4 (kv_quant.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from foveal.errors import ConfigError
+from foveal.layers.attention.kv_quant import SCALE_DTYPE, KVCodec, get_kv_codec
 
 _MIB = 1 << 20
 
@@ -25,27 +27,45 @@ class KVCacheSpec:
     """What one rank's KV pool holds per block.
 
     num_kv_heads is this rank's share (tensor parallelism shards KV heads).
-    scale_shape: per block and per K/V, the shape of the scale tensor stored
-    beside a quantized block (e.g. (block_size, num_kv_heads) for one scale per
-    token and head); () for dtypes that need none.
+    dtype: the float dtype of an unquantized cache; ignored when
+    `quantization` ("int8" | "int4" | "fp8_e4m3") names a codec, whose storage
+    dtype holds the blocks and which stores one scale per token and head.
     """
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
-    scale_shape: tuple[int, ...] = ()
-    scale_dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32
+    quantization: str | None = None
+    scale_dtype: torch.dtype = SCALE_DTYPE
+
+    @property
+    def codec(self) -> KVCodec | None:
+        return get_kv_codec(self.quantization) if self.quantization else None
+
+    @property
+    def dtype_name(self) -> str:
+        return self.quantization or str(self.dtype).removeprefix("torch.")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.codec.storage_dtype if self.quantization else self.dtype
 
     @property
     def has_scales(self) -> bool:
-        return bool(self.scale_shape)
+        return self.quantization is not None
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """Per block and per K/V: one scale per token and head; () without scales."""
+        return (self.block_size, self.num_kv_heads) if self.has_scales else ()
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        """(block_size, num_kv_heads, head_dim): one block of keys (or values)."""
-        return (self.block_size, self.num_kv_heads, self.head_dim)
+        """(block_size, num_kv_heads, stored_head_dim): one block of keys (or values)."""
+        stored = self.codec.stored_dim(self.head_dim) if self.quantization else self.head_dim
+        return (self.block_size, self.num_kv_heads, stored)
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, *self.block_shape)
@@ -56,7 +76,7 @@ class KVCacheSpec:
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes across all layers: keys, values and their scales."""
-        per_layer = 2 * _numel(self.block_shape) * self.dtype.itemsize
+        per_layer = 2 * _numel(self.block_shape) * self.storage_dtype.itemsize
         if self.has_scales:
             per_layer += 2 * _numel(self.scale_shape) * self.scale_dtype.itemsize
         return per_layer * self.num_layers
@@ -80,8 +100,8 @@ class KVCacheSpec:
         Zeroed, not empty: kernels that read a whole block and mask the unused
         slots would turn garbage NaNs into NaN outputs (0 * NaN = NaN).
         """
-        layers = [torch.zeros(self.layer_shape(num_blocks), dtype=self.dtype, device=device)
-                  for _ in range(self.num_layers)]
+        layers = [torch.zeros(self.layer_shape(num_blocks), dtype=self.storage_dtype,
+                              device=device) for _ in range(self.num_layers)]
         scales = None
         if self.has_scales:
             scales = [torch.zeros(self.scale_layer_shape(num_blocks), dtype=self.scale_dtype,
@@ -126,12 +146,20 @@ class KVCaches:
             stacked = torch.stack([block[name] for block in blocks], dim=2)  # (L, 2, n, ...)
             stacked = stacked.to(self.device, non_blocking=True)
             for layer, tensor in enumerate(tensors):
-                tensor.index_copy_(1, ids, stacked[layer].to(tensor.dtype))
+                _as_bits(tensor).index_copy_(1, ids, _as_bits(stacked[layer].to(tensor.dtype)))
 
 
-def slot_view(layer_cache: torch.Tensor) -> torch.Tensor:
-    """(2, num_blocks, block_size, Hkv, D) -> (2, num_slots, Hkv, D), a view."""
-    return layer_cache.flatten(1, 2)
+def slot_view(layer_tensor: torch.Tensor) -> torch.Tensor:
+    """(2, num_blocks, block_size, ...) -> (2, num_slots, ...), a view: a
+    layer's cache (..., Hkv, stored_head_dim) or its scales (..., Hkv)."""
+    return layer_tensor.flatten(1, 2)
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A same-size integer view for dtypes some CPU kernels lack (float8)."""
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -22,6 +22,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale, self.layer_idx = head_dim, scale, layer_idx
         self._backends: dict[str, object] = {}
+        # Per-head (k, v) scales a checkpoint gives for fp8 KV; None: computed per token.
+        self.static_kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _backend(self, device_type: str):
         if device_type not in self._backends:
@@ -40,4 +42,5 @@ class Attention(nn.Module):
         if metadata is not None:
             kv_cache = context.kv_caches[self.layer_idx]
             kv_scales = context.kv_scales[self.layer_idx] if context.kv_scales else None
-        return self._backend(q.device.type).forward(q, k, v, kv_cache, metadata, kv_scales)
+        return self._backend(q.device.type).forward(q, k, v, kv_cache, metadata, kv_scales,
+                                                    self.static_kv_scales)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from foveal.errors import ConfigError
 from foveal.forward_context import AttentionMetadata
+from foveal.layers.attention.blockwise import attend_quantized, write_quantized_kv
+from foveal.layers.attention.kv_quant import codec_for_storage
 from foveal.layers.attention.kv_spec import slot_view
 
 
@@ -45,17 +46,20 @@ class StepLayout:
     decode_rows: torch.Tensor | None  # (Bd,) rows of single-query requests
     decode_slots: torch.Tensor | None  # (Bd, Lmax) flat slots, padding points at slot 0
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) True where the key is real
+    decode_lens: torch.Tensor | None  # (Bd,) context lengths
     prefills: list[_Prefill]
 
     @classmethod
-    def build(cls, metadata: AttentionMetadata) -> "StepLayout":
+    def build(cls, metadata: AttentionMetadata, context_always: bool = False) -> "StepLayout":
+        """context_always: give every prefill its context slots, even when all
+        of its context is new (quantized caches read every key from the cache)."""
         starts = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
         seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
         decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        prefills = [cls._prefill(metadata, starts, seq_lens, i)
+        prefills = [cls._prefill(metadata, starts, seq_lens, i, context_always)
                     for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
         if not decodes:
-            return cls(None, None, None, prefills)
+            return cls(None, None, None, None, prefills)
         device = metadata.block_tables.device
         lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
         max_len = int(max(seq_lens[i] for i in decodes))
@@ -63,13 +67,13 @@ class StepLayout:
         slots = context_slots(tables, max_len, metadata.block_size)  # (Bd, Lmax)
         mask = torch.arange(max_len, device=device) < lens.unsqueeze(-1)  # (Bd, Lmax)
         rows = torch.tensor([starts[i] for i in decodes], device=device)
-        return cls(rows, slots, mask[:, None, None, :], prefills)
+        return cls(rows, slots, mask[:, None, None, :], lens, prefills)
 
     @staticmethod
-    def _prefill(metadata, starts, seq_lens, i) -> _Prefill:
+    def _prefill(metadata, starts, seq_lens, i, context_always: bool) -> _Prefill:
         num_new, seq_len = starts[i + 1] - starts[i], seq_lens[i]
         slots = None
-        if num_new < seq_len:
+        if num_new < seq_len or context_always:
             slots = context_slots(metadata.block_tables[i:i + 1], seq_len,
                                   metadata.block_size)[0]
         return _Prefill(slice(starts[i], starts[i + 1]), seq_len, slots)
@@ -83,17 +87,22 @@ class SdpaBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata | None,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D)."""
-        if kv_scales is not None:
-            raise ConfigError("the sdpa backend reads float KV caches only; this cache "
-                              "stores quantized blocks with scales")
+                kv_scales: torch.Tensor | None = None,
+                static_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D).
+
+        kv_scales: the layer's scales when the cache holds quantized blocks;
+        static_scales: per-head (k, v) scales from the checkpoint (fp8), if any.
+        """
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if metadata is None:
             return self._causal(q, k, v).reshape(num_tokens, -1)
+        if kv_scales is not None:
+            return self._quantized(q, k, v, kv_cache, kv_scales, metadata,
+                                   static_scales).view(num_tokens, -1)
         if kv_cache is not None and kv_cache.numel() > 0:
             write_kv(kv_cache, k, v, metadata.slot_mapping)
         layout = metadata.backend_cache.get("sdpa")
@@ -109,6 +118,33 @@ class SdpaBackend:
             else:
                 out[rows] = self._with_context(q[rows], kv_cache, prefill)
         return out.view(num_tokens, -1)
+
+    def _quantized(self, q, k, v, kv_cache, kv_scales, metadata, static_scales) -> torch.Tensor:
+        """Every row reads its keys from the quantized cache, chunk by chunk."""
+        codec = codec_for_storage(kv_cache.dtype)
+        write_quantized_kv(kv_cache, kv_scales, codec, k, v, metadata.slot_mapping, static_scales)
+        layout = metadata.backend_cache.get("sdpa_quantized")
+        if layout is None:
+            layout = metadata.backend_cache["sdpa_quantized"] = StepLayout.build(
+                metadata, context_always=True)
+        out = torch.empty_like(q)  # (T, H, D)
+        attend = lambda queries, positions, lens, slots: attend_quantized(  # noqa: E731
+            queries, positions, lens, slots, kv_cache, kv_scales, codec, self.scale)
+        if layout.decode_rows is not None:
+            batch = layout.decode_rows.shape[0]
+            queries = q[layout.decode_rows].view(batch, self.num_kv_heads, self.group, -1)
+            positions = (layout.decode_lens - 1).unsqueeze(-1).expand(batch, self.group)
+            out[layout.decode_rows] = attend(queries, positions, layout.decode_lens,
+                                             layout.decode_slots).reshape(batch, self.num_heads, -1)
+        for prefill in layout.prefills:
+            rows, seq_len = prefill.rows, prefill.seq_len
+            num_new = rows.stop - rows.start
+            positions = torch.arange(seq_len - num_new, seq_len, device=q.device)
+            positions = positions.repeat_interleave(self.group)[None]  # (1, n*G), as _grouped
+            lens = torch.tensor([seq_len], device=q.device)
+            grouped = attend(self._grouped(q[rows])[None], positions, lens, prefill.slots[None])
+            out[rows] = self._ungrouped(grouped[0], num_new)
+        return out
 
     def _grouped(self, q: torch.Tensor) -> torch.Tensor:
         """(n, H, D) -> (Hkv, n*G, D): query heads sharing a KV head side by side."""
