@@ -21,6 +21,22 @@ def dense_causal(q, k, v) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
+def batch_metadata(requests: list[tuple[int, int]], tables: list[list[int]],
+                   slots: list[torch.Tensor]) -> AttentionMetadata:
+    """Layout of one step: (computed, new) per request, its block table, its new tokens' slots."""
+    width = max(len(t) for t in tables)
+    starts = [0]
+    for _, new in requests:
+        starts.append(starts[-1] + new)
+    seq_lens = [c + n for c, n in requests]
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens), block_size=BLOCK_SIZE,
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+
+
 def run_mixed_batch(requests: list[tuple[int, int]], seed: int):
     """requests: (already computed, new) per request. The cached prefix is
     written by an earlier step; this step runs every request's new tokens."""
@@ -42,17 +58,7 @@ def run_mixed_batch(requests: list[tuple[int, int]], seed: int):
         tables.append(table)
         q_new.append(q[computed:]), k_new.append(k[computed:]), v_new.append(v[computed:])
         slots.append(flat[computed:])
-    width = max(len(t) for t in tables)
-    starts = [0]
-    for _, new in requests:
-        starts.append(starts[-1] + new)
-    seq_lens = [c + n for c, n in requests]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens), block_size=BLOCK_SIZE,
-        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    metadata = batch_metadata(requests, tables, slots)
     with forward_context(metadata, [kv_cache]):
         out = layer(torch.cat(q_new).flatten(1), torch.cat(k_new).flatten(1), torch.cat(v_new).flatten(1))
     return out.view(-1, NUM_HEADS, HEAD_DIM), torch.cat(full), kv_cache, torch.cat(slots), torch.cat(k_new)

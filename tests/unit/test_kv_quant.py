@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from foveal.errors import ConfigError
-from foveal.forward_context import AttentionMetadata, forward_context
+from foveal.forward_context import forward_context
 from foveal.layers.attention import Attention
 from foveal.layers.attention.kv_quant import get_kv_codec
 from foveal.layers.attention.kv_spec import KVCacheSpec, slot_view
 from tests.unit.test_attention import (BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS,
-                                       dense_causal)
+                                       batch_metadata, dense_causal)
 
 # Worst-case error of one value, as a fraction of its vector's max magnitude:
 # half a quantization step (int8, int4), or fp8 e4m3's relative rounding (2^-4).
@@ -92,17 +92,7 @@ def quantized_batch(name: str, requests: list[tuple[int, int]], seed: int):
         tables.append(table)
         news.append((q[computed:], k[computed:], v[computed:]))
         slots.append(flat[computed:])
-    width = max(len(t) for t in tables)
-    starts = [0]
-    for _, new in requests:
-        starts.append(starts[-1] + new)
-    seq_lens = [c + n for c, n in requests]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(n for _, n in requests), max_seq_len=max(seq_lens),
-        block_size=BLOCK_SIZE, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    metadata = batch_metadata(requests, tables, slots)
     q_new, k_new, v_new = (torch.cat(parts) for parts in zip(*news))
     with forward_context(metadata, [cache], [scales]):
         out = layer(q_new.flatten(1), k_new.flatten(1), v_new.flatten(1))
