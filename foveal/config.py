@@ -100,6 +100,23 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys).
+
+    method: a proposer in foveal.worker.spec_decode's registry ("ngram").
+    num_speculative_tokens: drafts verified per step and request.
+    prompt_lookup_min / prompt_lookup_max: n-gram sizes the ngram proposer
+    matches against the request's own tokens (longest first).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft checkpoint (EAGLE heads)
+
+
+@dataclass(frozen=True)
 class MultimodalConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
     max_image_pixels: int = 50_000_000
@@ -115,6 +132,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     multimodal: MultimodalConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
     dtype: str = "float32"  # resolved torch dtype name
     device: str = "cpu"  # resolved device
     load_format: str = "auto"  # "auto" (safetensors) | "dummy"

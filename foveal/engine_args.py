@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from foveal.config import (CacheConfig, EngineConfig, MultimodalConfig, ParallelConfig,
-                           SchedulerConfig)
+                           SchedulerConfig, SpeculativeConfig)
 from foveal.errors import ConfigError
 
 
@@ -38,6 +38,7 @@ class EngineArgs:
     kv_offload_path: str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    speculative_config: dict | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -83,11 +84,38 @@ class EngineArgs:
                                         mm_processor_kwargs=dict(self.mm_processor_kwargs),
                                         processor_cache_size=self.processor_cache_size),
             parallel=parallel,
+            speculative=self._speculative_config(max_model_len),
             dtype=dtype,
             device=device,
             load_format=self.load_format,
             seed=self.seed,
         )
+
+    def _speculative_config(self, max_model_len: int) -> SpeculativeConfig | None:
+        from foveal.worker.spec_decode import get_proposer_class
+
+        options = self.speculative_config
+        if not options:
+            return None
+        if not isinstance(options, dict) or "method" not in options:
+            raise ConfigError(f"speculative_config needs a 'method' (e.g. {{'method': 'ngram', "
+                              f"'num_speculative_tokens': 3}}), got {options!r:.100}")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config key(s) {unknown}; accepted: "
+                              f"{sorted(known)}")
+        get_proposer_class(options["method"])
+        config = SpeculativeConfig(**{"num_speculative_tokens": 3, **options})
+        k = config.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < max_model_len - 1:
+            raise ConfigError(f"num_speculative_tokens={k!r}; use an int in "
+                              f"[1, {max_model_len - 2}] (below max_model_len)")
+        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={config.prompt_lookup_min} and "
+                              f"prompt_lookup_max={config.prompt_lookup_max}; use "
+                              "1 <= prompt_lookup_min <= prompt_lookup_max")
+        return config
 
     def _parallel_config(self) -> ParallelConfig:
         from foveal.executor import executor_names

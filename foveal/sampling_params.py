@@ -24,6 +24,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
     skip_special_tokens: bool = True
+    # False: never draft tokens for this request, even when the engine speculates
+    speculative_decoding: bool = True
     # Filled by the engine from generation_config.json / the tokenizer.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

@@ -34,14 +34,14 @@ class ForcingSampler:
 def forced_logits(llm, prompt: dict, token_ids: list[int]) -> torch.Tensor:
     """(len(token_ids), vocab) logits of `llm` predicting each of token_ids after
     the prompt and the tokens before it."""
-    runner = llm.llm_engine.core.executor.model_runner
-    original, runner.sampler = runner.sampler, ForcingSampler(token_ids)
+    sampling = llm.llm_engine.core.executor.model_runner.sampling
+    original, sampling.sampler = sampling.sampler, ForcingSampler(token_ids)
     try:
         llm.generate(prompt, SamplingParams(max_tokens=len(token_ids), ignore_eos=True),
                      use_tqdm=False)
-        return torch.stack(runner.sampler.logits)
+        return torch.stack(sampling.sampler.logits)
     finally:
-        runner.sampler = original
+        sampling.sampler = original
 
 
 @dataclass

@@ -14,7 +14,7 @@ import argparse
 import gc
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +42,17 @@ def run_kv_bench(plan: KVBenchPlan) -> list[dict]:
     from foveal import LLM
 
     vocab = PromptVocab.from_model_dir(plan.model_dir)
-    requests = build_workload(plan.workload, vocab)
-    prompts = [r.to_prompt() for r in requests]
-    output_lens = [r.output_len for r in requests]
+    # The concurrency probe gets its own images (another seed): what it computes
+    # must not be a prefix- or encoder-cache hit for the throughput run.
+    probe = _prompts(replace(plan.workload, seed=plan.workload.seed + 1), vocab)
+    timed = _prompts(plan.workload, vocab)
     accuracy = _accuracy_setup(plan, vocab)
     for dtype in plan.dtypes:
         llm = LLM(model=str(plan.model_dir), kv_cache_dtype=dtype, **plan.engine_kwargs)
         row = {"kv_cache_dtype": dtype,
                "capacity_tokens": llm.get_metrics()["foveal:kv_cache_capacity_tokens"]}
-        row["peak_running_before_preemption"] = _peak_running(llm, prompts, output_lens)
-        row.update(_throughput(llm, prompts, output_lens))
+        row["peak_running_before_preemption"] = _peak_running(llm, *probe)
+        row.update(_throughput(llm, *timed))
         if accuracy is not None:
             row.update(accuracy.measure(llm))
         del llm
@@ -59,6 +60,11 @@ def run_kv_bench(plan: KVBenchPlan) -> list[dict]:
         row.update(_long_context_decode(plan, dtype, vocab))
         plan.rows.append(row)
     return plan.rows
+
+
+def _prompts(spec: WorkloadSpec, vocab: PromptVocab) -> tuple[list[dict], list[int]]:
+    requests = build_workload(spec, vocab)
+    return [r.to_prompt() for r in requests], [r.output_len for r in requests]
 
 
 def _sampling(output_len: int):
@@ -87,12 +93,15 @@ def _peak_running(llm, prompts: list[dict], output_lens: list[int]) -> int:
 
 def _throughput(llm, prompts: list[dict], output_lens: list[int]) -> dict:
     before = llm.get_metrics()["foveal:num_preemptions_total"]
+    hits_before = llm.get_metrics()["foveal:prefix_cache_hits_total"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, [_sampling(n) for n in output_lens], use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    metrics = llm.get_metrics()
     return {"output_tok_s": tokens / elapsed, "throughput_s": elapsed,
-            "preemptions": llm.get_metrics()["foveal:num_preemptions_total"] - before}
+            "preemptions": metrics["foveal:num_preemptions_total"] - before,
+            "prefix_cache_hit_tokens": metrics["foveal:prefix_cache_hits_total"] - hits_before}
 
 
 def _long_context_decode(plan: KVBenchPlan, dtype: str, vocab: PromptVocab) -> dict:

@@ -141,7 +141,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        # A stop inside an accepted run can leave computed KV past the last kept token.
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(table))
         self._update_block_hashes(request)
         start = self._num_registered.get(request.request_id, 0)
         for index in range(start, num_full):

@@ -138,6 +138,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # one per token
+    # request id -> draft tokens a proposer guessed after this step's tokens
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_encoder_items_run: int = 0
     # request id -> error message for requests whose inputs failed in the
     # worker (e.g. an encoder input that could not be run); they fail alone.

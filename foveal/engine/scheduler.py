@@ -295,11 +295,25 @@ class Scheduler:
             request.num_computed_tokens += num_new
             self._roll_back_drafts(request, plan.scheduled_spec_decode_tokens.get(request_id),
                                    token_ids)
+            kept, status = append_tokens(request, token_ids, self.config.max_model_len)
+            # After the append: accepted drafts are known tokens now, so their
+            # blocks hash; before finishing: a finished request's blocks stay cached.
             self.kv.cache_full_blocks(request)
             self._release_consumed_items(request)
             if token_ids:
-                outputs.append(self._append_tokens(request, token_ids, runner_output))
+                outputs.append(self._emit(request, kept, status, runner_output))
+            if request.status == RequestStatus.RUNNING:
+                self._take_drafts(request, runner_output.spec_token_ids.get(request_id))
         return outputs
+
+    def _take_drafts(self, request: Request, drafts: list[int] | None) -> None:
+        """Keep the proposer's guesses for next step, no more than can still be
+        emitted: the run they start ends with one more token, within max_tokens."""
+        if not drafts:
+            return
+        max_tokens = request.sampling_params.max_tokens
+        room = len(drafts) if max_tokens is None else max_tokens - request.num_output_tokens - 1
+        request.spec_token_ids = drafts[:max(0, room)]
 
     def _roll_back_drafts(self, request: Request, drafts: list[int] | None,
                           token_ids: list[int]) -> None:
@@ -307,12 +321,12 @@ class Scheduler:
         request.spec_token_ids = []
         if not drafts:
             return
-        num_rejected = len(drafts) + 1 - len(token_ids) if token_ids else len(drafts)
+        num_accepted = max(0, len(token_ids) - 1)
+        num_rejected = len(drafts) - num_accepted
         if num_rejected > 0:
             request.num_computed_tokens -= num_rejected
             self.kv.trim(request, request.num_computed_tokens)
-            self.stats.num_draft_tokens_rejected += num_rejected
-        self.stats.num_draft_tokens += len(drafts)
+        self.stats.record_verification(len(drafts), num_accepted)
 
     def _release_consumed_items(self, request: Request) -> None:
         # The same media may appear twice in a prompt: keep it while still needed.
@@ -322,9 +336,8 @@ class Scheduler:
             if feature.placeholder.end <= computed and feature.mm_hash not in still_needed:
                 self.encoder.release(request.request_id, feature.mm_hash)
 
-    def _append_tokens(self, request: Request, token_ids: list[int],
-                       runner_output: ModelRunnerOutput) -> EngineCoreOutput:
-        kept, status = append_tokens(request, token_ids, self.config.max_model_len)
+    def _emit(self, request: Request, kept: list[int], status: RequestStatus | None,
+              runner_output: ModelRunnerOutput) -> EngineCoreOutput:
         self.stats.generation_tokens += len(kept)
         if status is not None:
             self._finish(request, status)

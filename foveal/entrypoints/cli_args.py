@@ -72,6 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="worker processes the model is split over")
     group.add_argument("--distributed-executor-backend",
                        help="executor that runs the workers (default: uni, in-process)")
+    group.add_argument("--speculative-config", type=_json_dict, default=None,
+                       help='speculative decoding, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 3}\'')
 
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -79,7 +82,8 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_bat
                 "encoder_cache_size", "encoder_compute_budget",
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
                 "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
-                "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend")
+                "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend",
+                "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,7 @@ requests that reached their last known token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -24,6 +24,7 @@ from foveal.worker.encoder_connector import EncoderConnectorWorker
 from foveal.worker.encoder_runner import EncoderCache
 from foveal.worker.kv_offload import KVOffloadWorker
 from foveal.worker.sampler import Sampler, request_generator
+from foveal.worker.step_sampling import StepSampling
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ScheduledRequest:
     num_new_tokens: int
     # (row offset within this request's new tokens, encoder rows to put there)
     mm_rows: list[tuple[int, torch.Tensor]]
+    drafts: list[int] = field(default_factory=list)  # the last len(drafts) new tokens
 
 
 @dataclass
@@ -56,8 +58,9 @@ class Batch:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (num_axes, T) int64, or (T,) for one axis
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # (N,) int64: last row of each sampled request
-    sampled_requests: list[RequestState]
+    logits_indices: torch.Tensor  # (N,) int64: rows to sample: each sampled request's
+    # last known token and its drafts
+    sampled: list[ScheduledRequest]
 
 
 class ModelRunner:
@@ -74,15 +77,13 @@ class ModelRunner:
         self.encoder_cache = EncoderCache()
         self.kv_offload = kv_offload
         self.encoder_connector = encoder_connector
-        self.sampler = Sampler(engine_config.seed, self.device)
+        self.sampling = StepSampling(model, Sampler(engine_config.seed, self.device),
+                                     engine_config.speculative)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, mm_payloads: dict[str, dict] | None = None
                 ) -> ModelRunnerOutput:
         """mm_payloads: mm_hash -> array data (pixels) of the items encoded this step."""
-        if plan.scheduled_spec_decode_tokens:
-            raise NotImplementedError("this model runner does not verify draft tokens; "
-                                      "no speculative proposer is configured to send them")
         self._update_states(plan)
         self.encoder_cache.drop(plan.freed_mm_hashes)
         if plan.kv_transfer:
@@ -106,8 +107,8 @@ class ModelRunner:
             hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)
         for item in scheduled:
             item.state.num_computed_tokens += item.num_new_tokens
-        if batch.sampled_requests:
-            self._sample(hidden_states[batch.logits_indices], batch.sampled_requests, output)
+        if batch.sampled:
+            self.sampling.sample(hidden_states[batch.logits_indices], batch.sampled, output)
         return output
 
     def _update_states(self, plan: StepPlan) -> None:
@@ -151,7 +152,8 @@ class ModelRunner:
             state = self.requests[request_id]
             mm_rows = self._mm_rows(state, num_new_tokens, failed)
             if mm_rows is not None:
-                scheduled.append(ScheduledRequest(state, num_new_tokens, mm_rows))
+                drafts = plan.scheduled_spec_decode_tokens.get(request_id, [])
+                scheduled.append(ScheduledRequest(state, num_new_tokens, mm_rows, drafts))
         return scheduled
 
     def _mm_rows(self, state: RequestState, num_new_tokens: int,
@@ -192,15 +194,21 @@ class ModelRunner:
                         .astype(np.int64) * self.block_size
                         + token_index % self.block_size)  # (T,)
         input_ids = list(chain.from_iterable(
-            s.token_ids[a:b] for s, a, b in zip(states, starts.tolist(), seq_lens.tolist())))
-        sampled_mask = seq_lens >= np.array([len(s.token_ids) for s in states])  # (B,)
+            _new_token_ids(item, a, b)
+            for item, a, b in zip(scheduled, starts.tolist(), seq_lens.tolist())))
+        known = np.array([len(s.token_ids) for s in states])  # (B,)
+        sampled_mask = seq_lens >= known  # (B,): reached the last known token
+        num_rows = seq_lens - known + 1  # (B,): that token's row and one per draft
+        logits_indices = [np.arange(end - rows, end) for end, rows, m in zip(
+            query_start_loc[1:], num_rows, sampled_mask) if m]
         return Batch(
             input_ids=self._to_device(np.array(input_ids, dtype=np.int64)),
             positions=self._to_device(self._positions(states, starts, num_new, token_index)),
             attn_metadata=self._attention_metadata(slot_mapping, query_start_loc, seq_lens,
                                                    block_tables),
-            logits_indices=self._to_device(query_start_loc[1:][sampled_mask] - 1),
-            sampled_requests=[s for s, m in zip(states, sampled_mask.tolist()) if m])
+            logits_indices=self._to_device(np.concatenate(logits_indices or [np.zeros(0, int)])
+                                           .astype(np.int64)),
+            sampled=[item for item, m in zip(scheduled, sampled_mask.tolist()) if m])
 
     def _attention_metadata(self, slot_mapping: np.ndarray, query_start_loc: np.ndarray,
                             seq_lens: np.ndarray, block_tables: np.ndarray) -> AttentionMetadata:
@@ -245,16 +253,13 @@ class ModelRunner:
                 inputs_embeds[row:row + rows.shape[0]] = rows.to(inputs_embeds.dtype)
         return inputs_embeds
 
-    def _sample(self, hidden_states: torch.Tensor, states: list[RequestState],
-                output: ModelRunnerOutput) -> None:
-        logits = self.model.compute_logits(hidden_states)  # (N, vocab) float32
-        sampled = self.sampler(logits, [s.sampling_params for s in states],
-                               [s.generator for s in states])
-        for state, token_id, logprobs in zip(states, sampled.token_ids, sampled.logprobs):
-            state.token_ids.append(token_id)
-            output.sampled_token_ids[state.request_id] = [token_id]
-            if logprobs is not None:
-                output.logprobs[state.request_id] = [logprobs]
-
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _new_token_ids(item: ScheduledRequest, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of the request's known tokens followed by its drafts."""
+    known = item.state.token_ids
+    if end <= len(known):
+        return known[start:end]
+    return known[start:] + item.drafts[max(0, start - len(known)):end - len(known)]

@@ -48,10 +48,7 @@ class Sampler:
                        generators: list[torch.Generator | None]) -> torch.Tensor:
         device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)  # (B,)
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                                   dtype=logits.dtype, device=device)  # (B,)
-        filtered = apply_top_k_top_p(logits / temperature[:, None], params)  # (B, V)
-        probs = apply_min_p(filtered.softmax(dim=-1), params)  # (B, V)
+        probs = target_probs(logits, params)  # (B, V)
         noise = self._exponential_noise(probs, params, generators)  # (B, V)
         random_tokens = (probs / noise).argmax(dim=-1)  # (B,)
         return torch.where(greedy, logits.argmax(dim=-1), random_tokens)
@@ -68,6 +65,15 @@ class Sampler:
             if g is not None and not p.greedy:
                 noise[i].exponential_(generator=g)
         return noise.clamp_(min=_MIN_NOISE)
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(B, V) logits -> the distribution each row samples from: temperature,
+    top-k, top-p, then min-p (greedy rows at temperature 1, unused)."""
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                               dtype=logits.dtype, device=logits.device)  # (B,)
+    filtered = apply_top_k_top_p(logits / temperature[:, None], params)  # (B, V)
+    return apply_min_p(filtered.softmax(dim=-1), params)  # (B, V)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

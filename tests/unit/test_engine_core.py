@@ -57,8 +57,9 @@ def test_stats_have_the_exported_names():
         "foveal:kv_offload_hits_total", "foveal:kv_offload_saves_total", "foveal:kv_offload_bytes",
         "foveal:num_preemptions_total", "foveal:kv_cache_usage_perc",
         "foveal:kv_cache_capacity_tokens", 'foveal:kv_cache_info{kv_cache_dtype="auto"}',
-        "foveal:spec_decode_num_draft_tokens_total",
-        "foveal:spec_decode_num_accepted_tokens_total",
+        "foveal:spec_decode_num_drafts_total", "foveal:spec_decode_num_draft_tokens_total",
+        "foveal:spec_decode_num_accepted_tokens_total", "foveal:spec_decode_acceptance_rate",
+        "foveal:spec_decode_mean_accepted_length",
         "foveal:num_requests_running", "foveal:num_requests_waiting",
         *(f'foveal:request_success_total{{finished_reason="{r}"}}'
           for r in ("stop", "length", "abort", "error")),

@@ -55,6 +55,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative_decoding: bool = True  # false: no draft tokens for this request
     mm_processor_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
@@ -74,7 +75,8 @@ class SamplingRequest(BaseModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            speculative_decoding=self.speculative_decoding)
 
     @property
     def include_usage(self) -> bool:
