@@ -37,13 +37,17 @@ def run_foveal(model_dir: Path, requests: Sequence[BenchRequest], warmup: BenchR
                                _sampling_params([r.output_len for r in requests]),
                                use_tqdm=False)
         wall = time.perf_counter() - start
+        extra = {"cached_prompt_tokens": sum(output.num_cached_tokens for output in outputs)}
+        if engine_kwargs.get("speculative_config"):  # counters include the warm-up request
+            extra["spec_decode"] = {key.removeprefix("foveal:spec_decode_"): value
+                                    for key, value in llm.get_metrics().items()
+                                    if key.startswith("foveal:spec_decode_") and "{" not in key}
     finally:
         del llm
         _release_memory()
     records = [_record(output, request.output_len, submitted_at)
                for output, request in zip(outputs, requests)]
-    cached = sum(output.num_cached_tokens for output in outputs)
-    return ThroughputResult("foveal", wall, records, extra={"cached_prompt_tokens": cached})
+    return ThroughputResult("foveal", wall, records, extra=extra)
 
 
 def _sampling_params(output_lens: Sequence[int]) -> list:

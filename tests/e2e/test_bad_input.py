@@ -2,7 +2,6 @@
 nothing, and leaves every KV block back in the pool."""
 from __future__ import annotations
 
-import base64
 import io
 
 import pytest

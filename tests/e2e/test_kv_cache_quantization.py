@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-from PIL import Image
 
 from foveal import LLM, SamplingParams
 from foveal.bench.kv_accuracy import agreement, reference_run
