@@ -426,3 +426,38 @@ def test_serve_flags_become_the_server_config(tmp_path):
     assert server_config(parse(), "/models/x").served_model_names == ("/models/x",)
     with pytest.raises(ConfigError, match="is not a folder"):
         server_config(parse("--allowed-local-media-path", str(tmp_path / "nope")), "/models/x")
+
+
+def test_speculative_decoding_with_int8_kv_streams_the_same_tokens(checkpoint):
+    """The server with an int8 KV cache and n-gram drafts: streamed and whole answers equal
+    the offline engine's without speculation; a request may opt out; metrics show drafts."""
+    from foveal import LLM, SamplingParams
+
+    options = {"kv_cache_dtype": "int8"}
+    engine = make_engine(checkpoint, **options, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3})
+    messages = [{"role": "user", "content": "red green blue red green blue red green"}]
+    greedy = {"temperature": 0.0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
+    try:
+        with serving(engine, checkpoint) as live:
+            client = openai.OpenAI(base_url=live.base_url + "/v1", api_key="none")
+            whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, **greedy)
+            streamed = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                                      stream=True, **greedy)
+            streamed_text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed)
+            drafted = engine_stats(live.base_url)["foveal:spec_decode_num_draft_tokens_total"]
+            opted_out = client.chat.completions.create(
+                model=MODEL_NAME, messages=messages, temperature=0.0, max_tokens=24,
+                extra_body={"ignore_eos": True, "speculative_decoding": False})
+            stats = engine_stats(live.base_url)
+    finally:
+        engine.shutdown()
+    llm = LLM(model=checkpoint, **{**ENGINE_OPTIONS, **options})
+    offline = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].text
+    llm.llm_engine.shutdown()
+    assert streamed_text == whole.choices[0].message.content == offline
+    assert opted_out.choices[0].message.content == offline
+    assert drafted > 0 and stats["foveal:spec_decode_num_draft_tokens_total"] == drafted
+    assert stats["foveal:spec_decode_num_accepted_tokens_total"] > 0
+    assert stats['foveal:kv_cache_info{kv_cache_dtype="int8"}'] == 1
