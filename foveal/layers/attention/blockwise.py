@@ -64,8 +64,9 @@ def attend_quantized(queries: torch.Tensor, query_positions: torch.Tensor,
         keys = codec.decode_raw(_gather_rows(rows[0], index), dtype)  # (B, Hkv, C, D), unscaled
         values = codec.decode_raw(_gather_rows(rows[1], index), dtype)
         # scales (B, Hkv, 1, C), with raw_factor and the softmax scale folded in
-        key_scale = row_scales[0][index].to(dtype).unsqueeze(2) * (codec.raw_factor * scale)
-        value_scale = row_scales[1][index].to(dtype).unsqueeze(2) * codec.raw_factor
+        key_scale = _gather_rows(row_scales[0], index).to(dtype).unsqueeze(2) \
+            * (codec.raw_factor * scale)
+        value_scale = _gather_rows(row_scales[1], index).to(dtype).unsqueeze(2) * codec.raw_factor
         scores = torch.matmul(queries, keys.transpose(-1, -2)) * key_scale  # (B, Hkv, Q, C)
         key_positions = torch.arange(start, start + chunk.shape[1], device=queries.device)
         visible = key_positions <= limits.unsqueeze(-1)  # (B, Q, C)
@@ -81,10 +82,7 @@ def attend_quantized(queries: torch.Tensor, query_positions: torch.Tensor,
 
 
 def _gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """table[index] for a (rows, width) byte table, moved as 8-byte words when
-    the width allows: a gather kernel copies whole elements, so 8x fewer of them."""
-    width_bytes = table.shape[-1] * table.element_size()
-    if width_bytes % 8 or table.stride(-1) != 1 or table.stride(-2) != table.shape[-1]:
-        return table[index]
-    words = table.view(torch.int64)[index]  # (..., width_bytes / 8)
-    return words.view(table.dtype).view(*index.shape, table.shape[-1])
+    """table[index] for a (rows, ...) table: index_select copies whole contiguous
+    rows, several times faster on CPU than advanced indexing of small rows."""
+    rows = table.index_select(0, index.reshape(-1))
+    return rows.view(*index.shape, *table.shape[1:])

@@ -170,8 +170,9 @@ class SdpaBackend:
         batch, max_len = layout.decode_slots.shape
         flat = layout.decode_slots.view(-1)
         slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
-        keys = slots[0][flat].view(batch, max_len, self.num_kv_heads, -1)
-        values = slots[1][flat].view(batch, max_len, self.num_kv_heads, -1)
+        # index_select copies whole slot rows: faster on CPU than advanced indexing
+        keys = slots[0].index_select(0, flat).view(batch, max_len, self.num_kv_heads, -1)
+        values = slots[1].index_select(0, flat).view(batch, max_len, self.num_kv_heads, -1)
         queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # (Bd, Hkv, G, D)
         out = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
@@ -183,8 +184,8 @@ class SdpaBackend:
         """A chunk after cached context: q (n, H, D) at positions seq_len-n.. -> (n, H, D)."""
         num_new, seq_len = q.shape[0], prefill.seq_len
         slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
-        keys = slots[0][prefill.slots].transpose(0, 1)  # (Hkv, L, D)
-        values = slots[1][prefill.slots].transpose(0, 1)
+        keys = slots[0].index_select(0, prefill.slots).transpose(0, 1)  # (Hkv, L, D)
+        values = slots[1].index_select(0, prefill.slots).transpose(0, 1)
         query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device) <= query_pos.unsqueeze(-1)  # (n, L)
         mask = mask.repeat_interleave(self.group, dim=0)  # (n*G, L), rows as _grouped lays out
