@@ -15,6 +15,7 @@ _SUBCOMMANDS = (
     "foveal.entrypoints.serve",
     "foveal.bench.cli",
     "foveal.loader.tiny_model",
+    "foveal.demo_model.cli",
     "foveal.stages.cli",
 )
 

@@ -63,6 +63,11 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen2-vl": _qwen2_vl(_tiny_text(layers=2, tied=True), depth=2, embed_dim=32, heads=4),
     "tiny-qwen2.5-vl": _qwen2_5_vl(_tiny_text(layers=3, tied=False), depth=4, hidden=32, heads=4,
                                    ffn=64, window_size=56, fullatt_block_indexes=[1, 3]),
+    # The trained demo model (foveal/assets/demo_model): ~9M parameters.
+    "demo": _qwen2_vl(_text(vocab=1024, hidden=256, layers=4, heads=8, kv_heads=4, ffn=768,
+                            mrope_section=[4, 6, 6], tied=True, max_positions=4096,
+                            theta=10000.0),
+                      depth=8, embed_dim=192, heads=6),
     "small": _qwen2_vl(_text(vocab=32000, hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864,
                              mrope_section=[8, 12, 12], tied=True),
                        depth=12, embed_dim=768, heads=12),

@@ -94,7 +94,7 @@ def _build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _train(vocab_size: int) -> Tokenizer:
+def _train(vocab_size: int, extra_corpus: str = "") -> Tokenizer:
     tokenizer = _build_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -102,7 +102,8 @@ def _train(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    lines = (_CORPUS + extra_corpus).splitlines(keepends=True)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
     return tokenizer
 
 
@@ -134,20 +135,22 @@ def _tokenizer_config(token_ids: dict[str, int]) -> dict:
     }
 
 
-def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> dict[str, int]:
+def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512,
+                         extra_corpus: str = "") -> dict[str, int]:
     """Writes tokenizer.json, tokenizer_config.json and chat_template.jinja
     into out_dir; returns special token -> id (ids 0..13, QWEN_SPECIAL_TOKENS order).
 
     vocab_size is an upper bound: 14 special tokens + 256 byte symbols + as
     many merges as the embedded corpus supports. Output is byte-identical
-    across calls.
+    across calls. `extra_corpus` is text the merges should also fit (the demo
+    model's task vocabulary).
     """
     minimum = len(QWEN_SPECIAL_TOKENS) + 256
     if vocab_size < minimum:
         raise ConfigError(f"vocab_size={vocab_size} is too small for a byte-level BPE; use >= {minimum}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train(vocab_size)
+    tokenizer = _train(vocab_size, extra_corpus)
     token_ids = {token: tokenizer.token_to_id(token) for token in QWEN_SPECIAL_TOKENS}
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     config_text = json.dumps(_tokenizer_config(token_ids), indent=2, ensure_ascii=False)

@@ -1,0 +1,55 @@
+"""`foveal train-demo` and `foveal demo-data` (parsers only; the work is
+imported when a command runs)."""
+from __future__ import annotations
+
+import argparse
+
+_TASK_NAMES = "shapes, count, position, read, compare, motion"
+
+
+def _train(args: argparse.Namespace) -> int:
+    from foveal.demo_model.train import TrainConfig, train
+
+    given = {name: getattr(args, name) for name in ("steps", "batch_size", "lr", "seed", "eval_every")
+             if getattr(args, name) is not None}
+    cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
+    folder = train(args.out, cfg)
+    print(f"wrote the trained checkpoint to {folder}")
+    return 0
+
+
+def _write(args: argparse.Namespace) -> int:
+    from foveal.demo_model.dataset import write_split
+
+    path = write_split(args.out, args.split, args.num, args.start)
+    print(f"wrote {args.num} {args.split} samples to {path}")
+    return 0
+
+
+def register(subparsers) -> None:
+    train = subparsers.add_parser(
+        "train-demo", help="train the demo model on the synthetic visual tasks (CPU, resumable)",
+        description="Train the `demo` preset (an ~8M parameter Qwen2-VL) from scratch on the "
+                    f"synthetic tasks ({_TASK_NAMES}). Rerun the same command to resume from "
+                    "OUT/train_state.pt. Writes OUT/model, an HF checkpoint folder.")
+    train.add_argument("out", help="working folder (state, logs, the final OUT/model)")
+    train.add_argument("--steps", type=int, help="optimizer steps (default 1800)")
+    train.add_argument("--batch-size", type=int, help="samples per step (default 32)")
+    train.add_argument("--lr", type=float, help="peak learning rate (default 1.5e-3)")
+    train.add_argument("--seed", type=int, help="weight init seed (default 0)")
+    train.add_argument("--eval-every", type=int,
+                       help="steps between teacher-forced evals on held-out samples (default 200)")
+    train.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
+                       help="bf16 autocast (auto: when the CPU has native bf16)")
+    train.set_defaults(func=_train)
+
+    data = subparsers.add_parser(
+        "demo-data", help="write synthetic visual QA samples (the demo model's tasks) to disk",
+        description=f"Deterministic, offline: images, short clips and question/answer pairs for "
+                    f"the tasks {_TASK_NAMES}, as PNG files and a jsonl. The eval split is held "
+                    "out from training (its own seeds).")
+    data.add_argument("out", help="output folder")
+    data.add_argument("--split", choices=["train", "eval"], default="eval")
+    data.add_argument("--num", type=int, default=600)
+    data.add_argument("--start", type=int, default=0, help="first sample index")
+    data.set_defaults(func=_write)

@@ -1,0 +1,150 @@
+"""Turn a task sample into model inputs exactly as the engine does at serving
+time: the checkpoint's chat template, its tokenizer, Foveal's image and video
+processors and placeholder expansion. Training and teacher-forced evaluation
+share this path, so what the model learns is what `LLM.chat` feeds it."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from foveal.demo_model.render import SHAPES
+from foveal.demo_model.tasks import Sample
+from foveal.multimodal.chat import parse_chat_conversation
+from foveal.multimodal.media.video import DecodedVideo, VideoInfo, sample_indices
+from foveal.multimodal.processors.qwen2_vl import Qwen2VLImageProcessor, expand_mm_placeholders
+from foveal.multimodal.processors.qwen2_vl_video import Qwen2VLVideoProcessor
+from foveal.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Training-time variety so the model stays sane along the serving dials."""
+
+    lowres_prob: float = 0.3  # shrink an image's pixel budget to 1/2 .. 1/8 of its area
+    fewer_frames_prob: float = 0.3  # feed a clip at 4 or 2 of its frames
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    pixel_values: list[torch.Tensor]
+    image_grid_thw: list[tuple[int, int, int]]
+    pixel_values_videos: list[torch.Tensor]
+    video_grid_thw: list[tuple[int, int, int]]
+    task: str
+    # one shape class per visual token (0: none, 1 + SHAPES index), per image / video
+    image_shape_targets: list[torch.Tensor]
+    video_shape_targets: list[torch.Tensor]
+
+
+class SampleEncoder:
+    def __init__(self, folder: str | Path, hf_config: dict) -> None:
+        self.tokenizer = Tokenizer.from_pretrained(folder)
+        self.images = Qwen2VLImageProcessor.from_pretrained(folder)
+        self.videos = Qwen2VLVideoProcessor.from_pretrained(folder)
+        self.image_token_id = hf_config["image_token_id"]
+        self.video_token_id = hf_config["video_token_id"]
+        self.end_id = self.tokenizer.token_to_id("<|im_end|>")
+
+    def encode(self, sample: Sample, rng: random.Random | None = None,
+               augment: Augment | None = None) -> Encoded:
+        conversation = parse_chat_conversation(sample.messages())
+        prompt = self.tokenizer.apply_chat_template(conversation.messages, add_generation_prompt=True)
+        prompt_ids = self.tokenizer.encode(prompt)
+        images = [self._image_processor(image, rng, augment).process(image) for image in sample.images]
+        targets = [shape_targets([objects], image.width, image.height, item.grid_thw)
+                   for image, objects, item in zip(sample.images, sample.objects, images)]
+        videos, video_targets = [], []
+        if sample.video is not None:
+            video, kept = self._process_video(sample, rng, augment)
+            videos.append(video)
+            height, width = sample.video[0].shape[:2]
+            video_targets.append(shape_targets([sample.objects[i] for i in kept], width, height,
+                                               video.grid_thw))
+        prompt_ids, _ = expand_mm_placeholders(prompt_ids, {"image": (self.image_token_id, images),
+                                                            "video": (self.video_token_id, videos)})
+        answer_ids = self.tokenizer.encode(sample.answer) + [self.end_id]
+        return Encoded(prompt_ids + answer_ids, [IGNORE_INDEX] * len(prompt_ids) + answer_ids,
+                       [item.pixel_values for item in images], [item.grid_thw for item in images],
+                       [item.pixel_values_videos for item in videos], [item.grid_thw for item in videos],
+                       sample.task, targets, video_targets)
+
+    def _image_processor(self, image, rng, augment) -> Qwen2VLImageProcessor:
+        if rng is None or augment is None or rng.random() >= augment.lowres_prob:
+            return self.images
+        area = image.width * image.height * rng.choice((0.5, 0.25, 0.125))
+        return self.images.with_overrides({"max_pixels": max(self.images.min_pixels, int(area))})
+
+    def _process_video(self, sample: Sample, rng, augment):
+        """The processed clip and the indices of the frames it kept."""
+        kept = list(range(len(sample.video)))
+        fps = sample.video_fps
+        if rng is not None and augment is not None and rng.random() < augment.fewer_frames_prob:
+            count = rng.choice((4, 4, 2))
+            kept = sample_indices(len(sample.video), count)
+            fps = fps * count / len(sample.video)
+        frames = [sample.video[i] for i in kept]
+        height, width = frames[0].shape[:2]
+        info = VideoInfo(len(frames), fps, width, height)
+        decoded = DecodedVideo(list(frames), [i / fps for i in range(len(frames))], info, sample.uid)
+        return self.videos.process(decoded), kept
+
+
+def shape_targets(frames: list[list[tuple]], width: int, height: int,
+                  grid_thw: tuple[int, int, int], patch: int = 14, merge: int = 2) -> torch.Tensor:
+    """Per visual token (temporal patch by temporal patch, row-major merge
+    windows): the class of the shape covering the middle of its cell, from the
+    objects drawn on each frame (temporal patch t reads frame 2t)."""
+    t, h, w = grid_thw
+    rows, cols, cell = h // merge, w // merge, patch * merge
+    sx, sy = w * patch / width, h * patch / height
+    out = torch.zeros((t, rows, cols), dtype=torch.long)
+    for index in range(t):
+        for cx, cy, size, shape in frames[min(len(frames) - 1, 2 * index)]:
+            r = 0.45 * size
+            top, bottom = int((cy - r) * sy // cell), int((cy + r) * sy // cell)
+            left, right = int((cx - r) * sx // cell), int((cx + r) * sx // cell)
+            out[index, max(0, top):min(rows, bottom + 1), max(0, left):min(cols, right + 1)] = \
+                SHAPES.index(shape) + 1
+    return out.flatten()
+
+
+def collate(batch: list[Encoded], pad_id: int, image_token_id: int = 12,
+            video_token_id: int = 13) -> dict[str, torch.Tensor]:
+    """Right-padded batch in transformers' Qwen2-VL forward signature
+    (mm_token_type_ids: 1 on image tokens, 2 on video tokens, for M-RoPE)."""
+    length = max(len(item.input_ids) for item in batch)
+    input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
+    for row, item in enumerate(batch):
+        n = len(item.input_ids)
+        input_ids[row, :n] = torch.tensor(item.input_ids)
+        labels[row, :n] = torch.tensor(item.labels)
+        attention_mask[row, :n] = 1
+    types = (input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long()
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+           "mm_token_type_ids": types}
+    pixels = [p for item in batch for p in item.pixel_values]
+    if pixels:
+        out["pixel_values"] = torch.cat(pixels)
+        out["image_grid_thw"] = torch.tensor([g for item in batch for g in item.image_grid_thw])
+    videos = [p for item in batch for p in item.pixel_values_videos]
+    if videos:
+        out["pixel_values_videos"] = torch.cat(videos)
+        out["video_grid_thw"] = torch.tensor([g for item in batch for g in item.video_grid_thw])
+    return out
+
+
+def batch_shape_targets(batch: list[Encoded]) -> list[torch.Tensor]:
+    """Shape targets in the order the vision tower sees the batch: every image
+    (sample order), then every video."""
+    images = [t for item in batch for t in item.image_shape_targets]
+    videos = [t for item in batch for t in item.video_shape_targets]
+    return [torch.cat(group) for group in (images, videos) if group]

@@ -1,0 +1,340 @@
+"""`foveal train-demo`: train the demo model (the `demo` preset, a ~8M parameter
+Qwen2-VL) from scratch on the synthetic tasks, on CPU, with transformers'
+Qwen2-VL as the training graph.
+
+Resumable: `OUT/train_state.pt` holds weights, optimizer, step and data
+position and is rewritten every `--checkpoint-every` steps; rerunning the same
+command continues. At the end `OUT/model` is an HF checkpoint folder (float16
+safetensors, tokenizer, processor and generation configs) that both
+transformers and Foveal load. bf16 autocast is used where the CPU has native
+bf16 (avx512_bf16 / AMX), fp32 elsewhere.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from foveal.demo_model.encode import IGNORE_INDEX, Augment, SampleEncoder, batch_shape_targets, collate
+from foveal.demo_model.render import COLORS, SHAPES
+from foveal.demo_model.tasks import TASKS, TRAIN_WEIGHTS, make_sample
+from foveal.logger import init_logger
+
+logger = init_logger(__name__)
+PRESET = "demo"
+TOKENIZER_VOCAB = 1024
+IMAGE_MAX_PIXELS = 336 * 336
+VIDEO_MAX_PIXELS = 224 * 224
+MIN_PIXELS = 56 * 56
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1800
+    batch_size: int = 32
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 150
+    weight_decay: float = 0.05
+    seed: int = 0
+    checkpoint_every: int = 100
+    eval_every: int = 200
+    eval_samples: int = 120
+    aux_weight: float = 0.5  # dense colour-map loss on the visual tokens (see VisualTokenProbe)
+    read_ramp: float = 0.35  # the read task's share grows to full over this fraction of steps
+    bf16: bool | None = None  # None: when the CPU has native bf16
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def task_corpus() -> str:
+    """Text the tokenizer's merges are fitted to: every question and answer form."""
+    from foveal.demo_model.tasks import COLOR_NAMES, DIRECTIONS, SHAPES, WORDS
+
+    lines = ["You are a helpful assistant."]
+    for index in range(600):
+        sample = make_sample("corpus", index)
+        lines += [sample.question, sample.answer]
+    lines += [" ".join(SHAPES), " ".join(COLOR_NAMES), " ".join(DIRECTIONS), " ".join(WORDS),
+              " ".join(str(n) for n in range(10)), "yes no left right top bottom"]
+    return "\n".join(lines * 3) + "\n"
+
+
+def write_model_folder(folder: Path) -> dict:
+    """Config, tokenizer, processor and generation configs (no weights yet)."""
+    from foveal.loader.presets import get_preset
+    from foveal.loader.tiny_model import _generation_config, _write_json
+    from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
+
+    hf_config = get_preset(PRESET)
+    folder.mkdir(parents=True, exist_ok=True)
+    special = write_tiny_tokenizer(folder, vocab_size=TOKENIZER_VOCAB, extra_corpus=task_corpus())
+    _write_json(folder / "config.json", hf_config)
+    common = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+              "image_mean": [0.48145466, 0.4578275, 0.40821073],
+              "image_std": [0.26862954, 0.26130258, 0.27577711], "do_rescale": True,
+              "do_normalize": True, "rescale_factor": 1 / 255}
+    _write_json(folder / "preprocessor_config.json",
+                {**common, "min_pixels": MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS,
+                 "image_processor_type": "Qwen2VLImageProcessor"})
+    _write_json(folder / "video_preprocessor_config.json",
+                {**common, "min_pixels": MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS, "fps": 2.0,
+                 "min_frames": 4, "max_frames": 64, "video_processor_type": "Qwen2VLVideoProcessor"})
+    _write_json(folder / "generation_config.json", _generation_config(special))
+    return hf_config
+
+
+def build_hf_model(hf_config: dict, seed: int):
+    try:
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    except ImportError as error:
+        from foveal.errors import ConfigError
+
+        raise ConfigError("training uses transformers' Qwen2-VL: pip install 'foveal[train]'") from error
+
+    config = Qwen2VLConfig(**hf_config)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return Qwen2VLForConditionalGeneration(config)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def task_weights(step: int, cfg: TrainConfig) -> list[float]:
+    """Curriculum: reading (multi-token answers that only pay off once the vision
+    tower resolves glyphs) starts at a tenth of its weight and ramps to full."""
+    ramp = min(1.0, 0.1 + 0.9 * step / max(1.0, cfg.read_ramp * cfg.steps))
+    return [TRAIN_WEIGHTS[task] * (ramp if task == "read" else 1.0) for task in TASKS]
+
+
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged per sample, then over the batch, so that a
+    four-token answer weighs as much as a one-token one."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    per_token = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+    mask = (labels != IGNORE_INDEX).float()
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+
+
+class VisualTokenProbe(torch.nn.Module):
+    """Training-only auxiliary heads (not exported): from each visual token, predict
+    what its 28x28 cell shows: its colour (background, a named colour, or dark
+    text ink, read off the cell's own pixels) and the shape covering it (from
+    the objects the generator drew). A VLM trained from scratch sits on the
+    answer prior until its vision tower carries signal; these dense losses give
+    the tower gradient from the first step."""
+
+    NUM_CLASSES = len(COLORS) + 2  # background, colours..., ink
+
+    def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2):
+        super().__init__()
+        self.head = torch.nn.Linear(hidden, self.NUM_CLASSES)
+        self.shape_head = torch.nn.Linear(hidden, len(SHAPES) + 1)
+        self.position_head = torch.nn.Linear(hidden, 2)
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1), persistent=False)
+        self.register_buffer("palette", torch.tensor(list(COLORS.values()), dtype=torch.float32) / 255,
+                             persistent=False)
+        self.merge, self.patch, self.temporal = merge, patch, temporal
+
+    @torch.no_grad()
+    def targets(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(patches, C*T*P*P) rows in merge-window order -> one class per visual token."""
+        window = self.merge ** 2
+        rows = pixel_values.float().view(-1, 3, self.temporal, self.patch * self.patch)[:, :, 0]
+        cells = rows.view(-1, window, 3, self.patch * self.patch).permute(0, 2, 1, 3)
+        rgb = (cells.reshape(cells.shape[0], 3, -1) * self.std + self.mean).clamp(0, 1)
+        saturation = rgb.amax(1) - rgb.amin(1)
+        distance = ((rgb.unsqueeze(1) - self.palette.view(1, -1, 3, 1)) ** 2).sum(2)
+        classes = torch.where(saturation > 0.25, distance.argmin(1) + 1, 0)
+        classes = torch.where((saturation <= 0.25) & (rgb.amax(1) < 0.5), self.NUM_CLASSES - 1, classes)
+        counts = torch.nn.functional.one_hot(classes, self.NUM_CLASSES).sum(1)
+        counts[:, 0] = 0
+        best = counts.argmax(1)
+        enough = counts.gather(1, best[:, None]).squeeze(1) >= 0.08 * classes.shape[1]
+        return torch.where(enough, best, 0)
+
+    def positions(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """(tokens, 2): each visual token's cell centre as (row, column) fractions
+        of its image. The vision tower only sees relative positions (2-D RoPE);
+        this target makes it carry where a token sits, which the position and
+        motion questions need."""
+        out = []
+        for t, h, w in grid_thw.tolist():
+            rows, cols = h // self.merge, w // self.merge
+            r = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
+            c = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols
+            cell = torch.stack(torch.meshgrid(r, c, indexing="ij"), -1).view(-1, 2)
+            out.append(cell.repeat(t, 1))
+        return torch.cat(out)
+
+    def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
+             shapes: list[torch.Tensor], grids: list[torch.Tensor]) -> torch.Tensor:
+        features = torch.cat(features).float()
+        colours = torch.cat([self.targets(p) for p in pixels])
+        where = torch.cat([self.positions(g) for g in grids])
+        return (torch.nn.functional.cross_entropy(self.head(features), colours)
+                + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
+                + 10 * torch.nn.functional.mse_loss(self.position_head(features), where))
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(model, encoder: SampleEncoder, num_samples: int, bf16: bool,
+                            batch_size: int = 16) -> dict[str, float]:
+    """Exact match of every answer token under teacher forcing, per task. Equal
+    to greedy exact match: greedy reproduces the answer (and its end token)
+    exactly when each of those positions' argmax is the label."""
+    model.eval()
+    hits = {task: [0, 0] for task in TASKS}
+    samples = [make_sample("eval", i) for i in range(num_samples)]
+    for start in range(0, len(samples), batch_size):
+        encoded = [encoder.encode(s) for s in samples[start:start + batch_size]]
+        batch = collate(encoded, pad_id=0)
+        labels = batch.pop("labels")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(**batch).logits
+        predicted = logits[:, :-1].argmax(-1)
+        targets = labels[:, 1:]
+        for row, item in enumerate(encoded):
+            mask = targets[row] != -100
+            hits[item.task][0] += int(bool((predicted[row][mask] == targets[row][mask]).all()))
+            hits[item.task][1] += 1
+    model.train()
+    scores = {task: h / n for task, (h, n) in hits.items() if n}
+    scores["overall"] = sum(h for h, _ in hits.values()) / max(1, sum(n for _, n in hits.values()))
+    return scores
+
+
+def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    folder = out_dir / "model"
+    hf_config = write_model_folder(out_dir / "scaffold")
+    encoder = SampleEncoder(out_dir / "scaffold", hf_config)
+    bf16 = cpu_has_native_bf16() if cfg.bf16 is None else cfg.bf16
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = build_hf_model(hf_config, cfg.seed)
+    model.train()
+    probe = VisualTokenProbe(hf_config["text_config"]["hidden_size"], encoder.images.image_mean,
+                             encoder.images.image_std)
+    merged: list[torch.Tensor] = []
+    model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay += [probe.head.weight, probe.shape_head.weight, probe.position_head.weight]
+    no_decay += [probe.head.bias, probe.shape_head.bias, probe.position_head.bias]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
+    state_path = out_dir / "train_state.pt"
+    step, elapsed, history = 0, 0.0, []
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        probe.load_state_dict(state["probe"], strict=False)  # older states lack later heads
+        _load_optimizer(optimizer, state["optimizer"])
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        logger.info("resuming at step %d (%.0f s trained so far)", step, elapsed)
+    params = sum(p.numel() for p in model.parameters())
+    logger.info("demo model: %.2fM parameters, batch %d, %d steps, bf16 autocast %s",
+                params / 1e6, cfg.batch_size, cfg.steps, "on" if bf16 else "off")
+    augment = Augment()
+    bar = tqdm(total=cfg.steps, initial=step, desc="train-demo", dynamic_ncols=True)
+    loss_ema = history[-1]["loss"] if history else None
+    while step < cfg.steps:
+        started = time.perf_counter()
+        rng = random.Random(f"augment:{cfg.seed}:{step}")
+        tasks = rng.choices(TASKS, weights=task_weights(step, cfg), k=cfg.batch_size)
+        samples = [make_sample("train", step * cfg.batch_size + i, task=task)
+                   for i, task in enumerate(tasks)]
+        encoded = [encoder.encode(s, rng, augment) for s in samples]
+        batch = collate(encoded, pad_id=0)
+        labels = batch.pop("labels")
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        merged.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = answer_loss(model(**batch).logits, labels)
+            pixels = [batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch]
+            if cfg.aux_weight:
+                grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch]
+                loss = loss + cfg.aux_weight * probe.loss(merged, pixels, batch_shape_targets(encoded),
+                                                          grids)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *probe.parameters()], 1.0)
+        optimizer.step()
+        step += 1
+        elapsed += time.perf_counter() - started
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr_at(step, cfg):.1e}")
+        record = {"step": step, "loss": loss_ema, "elapsed": elapsed}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            record["eval"] = teacher_forced_accuracy(model, encoder, cfg.eval_samples, bf16)
+            bar.write(f"step {step}: loss {loss_ema:.3f}, eval " +
+                      ", ".join(f"{k} {v:.2f}" for k, v in record["eval"].items()))
+        history.append(record)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            _save_state(state_path, model, probe, optimizer, step, elapsed, history)
+    bar.close()
+    export(model, out_dir / "scaffold", folder, history)
+    return folder
+
+
+def _load_optimizer(optimizer, saved: dict) -> None:
+    """Load a saved optimizer state. Heads added since it was saved sit at the end
+    of their parameter group and start with fresh moments."""
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    if sizes == [len(g["params"]) for g in optimizer.param_groups]:
+        optimizer.load_state_dict(saved)
+        return
+    for old, new in zip(saved["param_groups"], optimizer.param_groups):
+        for saved_id, param in zip(old["params"], new["params"]):
+            if saved_id in saved["state"]:
+                optimizer.state[param] = saved["state"][saved_id]
+
+
+def _save_state(path: Path, model, probe, optimizer, step: int, elapsed: float,
+                history: list) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "probe": probe.state_dict(),
+                "optimizer": optimizer.state_dict(), "step": step,
+                "elapsed": elapsed, "history": history}, tmp)
+    os.replace(tmp, path)
+
+
+def export(model, scaffold: Path, folder: Path, history: list) -> None:
+    """HF folder: float16 weights via save_pretrained plus the scaffold's files."""
+    staging = folder.with_name(folder.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(scaffold, staging)
+    model.to(torch.float16).save_pretrained(staging)
+    model.to(torch.float32)
+    (staging / "training_log.json").write_text(json.dumps(history[-1:] + [
+        r for r in history if "eval" in r], indent=1) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    logger.info("wrote %s", folder)
+

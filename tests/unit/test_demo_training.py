@@ -1,0 +1,154 @@
+"""`foveal train-demo`: sample encoding matches the engine's prompt, training
+resumes where it stopped, and the exported folder loads in transformers and
+in Foveal."""
+import json
+
+import pytest
+import torch
+
+from foveal.demo_model.encode import IGNORE_INDEX, SampleEncoder, batch_shape_targets, collate, shape_targets
+from foveal.demo_model.render import COLOR_NAMES, SHAPES
+from foveal.demo_model.tasks import TASKS, make_sample
+from foveal.demo_model.train import (
+    TrainConfig, VisualTokenProbe, answer_loss, build_hf_model, lr_at, task_weights, train,
+    write_model_folder,
+)
+
+
+@pytest.fixture(scope="module")
+def scaffold(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("demo-scaffold")
+    return folder, write_model_folder(folder)
+
+
+def test_encoding_labels_only_the_answer_and_expands_every_placeholder(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    for index in range(6):  # one sample of each task
+        sample = make_sample("eval", index)
+        item = encoder.encode(sample)
+        answer = [t for t in item.labels if t != IGNORE_INDEX]
+        assert encoder.tokenizer.decode(answer) == sample.answer
+        assert answer[-1] == encoder.end_id and item.input_ids[-len(answer):] == answer
+        merge = hf_config["vision_config"]["spatial_merge_size"] ** 2
+        images = sum(t * h * w // merge for t, h, w in item.image_grid_thw)
+        videos = sum(t * h * w // merge for t, h, w in item.video_grid_thw)
+        assert item.input_ids.count(hf_config["image_token_id"]) == images
+        assert item.input_ids.count(hf_config["video_token_id"]) == videos
+        assert (videos > 0) == (sample.task == "motion")
+
+
+def test_encoding_matches_the_engine_prompt(scaffold):
+    """The tokens training sees are the tokens LLM.chat builds for the same sample."""
+    from foveal import LLM, SamplingParams
+
+    folder, hf_config = scaffold
+    build_hf_model(hf_config, seed=0).save_pretrained(folder)
+    encoder = SampleEncoder(folder, hf_config)
+    llm = LLM(model=str(folder), max_model_len=1024, enable_prefix_caching=False)
+    for index in (0, 4, 5):  # one image, two images, a clip
+        sample = make_sample("eval", index)
+        out = llm.chat(sample.messages(), SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        item = encoder.encode(sample)
+        prompt = [t for t, label in zip(item.input_ids, item.labels) if label == IGNORE_INDEX]
+        assert out.prompt_token_ids == prompt
+
+
+def test_collate_pads_right_and_marks_media_tokens(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    items = [encoder.encode(make_sample("eval", i)) for i in (0, 5)]
+    batch = collate(items, pad_id=0)
+    lengths = [len(i.input_ids) for i in items]
+    assert batch["input_ids"].shape == (2, max(lengths))
+    assert batch["attention_mask"].sum(1).tolist() == lengths
+    assert int((batch["mm_token_type_ids"] == 1).sum()) == items[0].input_ids.count(12)
+    assert int((batch["mm_token_type_ids"] == 2).sum()) == items[1].input_ids.count(13)
+    assert batch["pixel_values"].shape[0] == sum(t * h * w for t, h, w in items[0].image_grid_thw)
+
+
+def test_shape_targets_mark_the_cells_under_each_drawn_shape():
+    # a 112x56 image at full resolution: 8x4 patches, 4x2 visual tokens of 28 px
+    targets = shape_targets([[(14, 14, 20, "star"), (98, 42, 20, "circle")]], 112, 56, (1, 4, 8))
+    grid = targets.view(2, 4)
+    assert grid[0, 0] == SHAPES.index("star") + 1 and grid[1, 3] == SHAPES.index("circle") + 1
+    assert int((grid > 0).sum()) == 2
+    # half resolution: the same objects land in the scaled cells; a clip reads frame 2t
+    half = shape_targets([[(84, 42, 40, "square")], [], [(14, 14, 20, "star")]], 224, 112,
+                         (2, 4, 8))
+    assert half.view(2, 2, 4)[0, 0, 1] == SHAPES.index("square") + 1
+    assert half.view(2, 2, 4)[1, 0, 0] == SHAPES.index("star") + 1
+
+
+def test_probe_colour_targets_read_each_cell(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    sample = make_sample("eval", 0)  # shapes: 1-3 coloured shapes
+    item = encoder.encode(sample)
+    probe = VisualTokenProbe(hf_config["text_config"]["hidden_size"], encoder.images.image_mean,
+                             encoder.images.image_std)
+    colours = probe.targets(item.pixel_values[0])
+    shapes = item.image_shape_targets[0]
+    assert colours.shape == shapes.shape
+    assert bool(((colours > 0) == (shapes > 0)).float().mean() > 0.9)  # shapes are the coloured cells
+    assert set(colours.tolist()) - {0} <= set(range(1, len(COLOR_NAMES) + 1))
+
+
+def test_batch_shape_targets_follow_the_vision_towers_order(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    items = [encoder.encode(make_sample("eval", i)) for i in (5, 0, 4)]  # clip, image, two images
+    images, videos = batch_shape_targets(items)
+    assert torch.equal(images, torch.cat(items[1].image_shape_targets + items[2].image_shape_targets))
+    assert torch.equal(videos, items[0].video_shape_targets[0])
+
+
+def test_answer_loss_weighs_each_sample_equally():
+    logits = torch.zeros(2, 4, 8)
+    labels = torch.full((2, 4), IGNORE_INDEX)
+    labels[0, 1:] = torch.tensor([1, 2, 3])  # three answer tokens
+    labels[1, 3] = 4  # one
+    logits[1, 2, 4] = 10.0  # the one-token answer is right
+    per_sample = [torch.log(torch.tensor(8.0)), torch.nn.functional.cross_entropy(
+        logits[1, 2:3], torch.tensor([4]))]
+    assert answer_loss(logits, labels).item() == pytest.approx(float(sum(per_sample)) / 2, rel=1e-5)
+
+
+def test_reading_ramps_in_while_the_other_tasks_keep_their_weight():
+    cfg = TrainConfig(steps=1000, read_ramp=0.5)
+    read = TASKS.index("read")
+    start, middle, end = (task_weights(step, cfg) for step in (0, 250, 500))
+    assert start[read] < middle[read] < end[read] == task_weights(900, cfg)[read]
+    assert [w for i, w in enumerate(start) if i != read] == [w for i, w in enumerate(end) if i != read]
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 100))
+
+
+def test_training_resumes_and_exports_a_checkpoint_both_engines_load(tmp_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from foveal import LLM, SamplingParams
+
+    cfg = TrainConfig(steps=2, batch_size=2, warmup=1, checkpoint_every=1, eval_every=2,
+                      eval_samples=6, bf16=False)
+    folder = train(tmp_path, cfg)
+    state = torch.load(tmp_path / "train_state.pt", weights_only=False)
+    assert state["step"] == 2 and "eval" in state["history"][-1]
+    first_weights = {k: v.clone() for k, v in state["model"].items()}
+    folder = train(tmp_path, TrainConfig(**{**cfg.__dict__, "steps": 3}))
+    state = torch.load(tmp_path / "train_state.pt", weights_only=False)
+    assert state["step"] == 3 and [r["step"] for r in state["history"]] == [1, 2, 3]
+    assert any(not torch.equal(first_weights[k], state["model"][k]) for k in first_weights)
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(folder)
+    assert next(model.parameters()).dtype == torch.float16
+    assert json.loads((folder / "training_log.json").read_text())[0]["step"] == 3
+    llm = LLM(model=str(folder), max_model_len=1024)
+    out = llm.chat(make_sample("eval", 0).messages(), SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
