@@ -14,6 +14,7 @@ from foveal.bench.model_source import add_model_source_args, model_dir_from_args
 from foveal.bench.multiturn import register_multiturn
 from foveal.bench.serve import register_serve
 from foveal.bench.stages import register_stages
+from foveal.bench.sweep import register_sweep
 from foveal.bench.video import register_video
 from foveal.bench.workload import add_workload_args, workload_spec_from_args
 from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
@@ -109,3 +110,4 @@ def register(subparsers) -> None:
     register_stages(bench_commands)
     register_video(bench_commands)
     register_kv_cache(bench_commands)
+    register_sweep(bench_commands)

@@ -5,8 +5,12 @@ reports the same `RequestRecord`s, so every number is computed one way.
 """
 from __future__ import annotations
 
+import json
 import math
+import shlex
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 
@@ -111,3 +115,11 @@ def best_baseline(summaries: Sequence[dict]) -> dict | None:
 def speedup(foveal: dict, baseline: dict) -> float:
     """Foveal's output tokens/s over the baseline's."""
     return foveal["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+
+
+def write_json_report(path: Path, body: dict) -> None:
+    """`body` after the command line that ran, as indented JSON (parents made)."""
+    report = {"command_line": shlex.join(["foveal", *sys.argv[1:]]), **body}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {path}")

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -34,6 +31,7 @@ from typing import Any, Callable
 
 from foveal.bench.clip import ClipSpec, write_clip
 from foveal.bench.model_source import add_model_source_args, model_dir_from_args
+from foveal.bench.report import write_json_report
 from foveal.bench.workload import PromptVocab, parse_image_size
 from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
 from foveal.errors import CheckpointError, ConfigError, FovealError
@@ -42,7 +40,7 @@ _WARMUP_CLIP_SIDE = 64
 _PROMPT_TEXT_TOKENS = 8
 
 
-def _positive_list(parse: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
+def positive_list(parse: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
     def parse_list(value: str) -> tuple:
         try:
             items = tuple(parse(item) for item in value.split(",") if item.strip())
@@ -56,8 +54,8 @@ def _positive_list(parse: Callable[[str], Any], what: str) -> Callable[[str], tu
     return parse_list
 
 
-parse_fps_list = _positive_list(float, "frame rates")
-parse_pixels_list = _positive_list(int, "pixel counts")
+parse_fps_list = positive_list(float, "frame rates")
+parse_pixels_list = positive_list(int, "pixel counts")
 
 
 @dataclass(frozen=True)
@@ -235,14 +233,11 @@ def run_bench_video(args: argparse.Namespace) -> int:
     rows = run_video_bench(plan)
     print(format_video_table(rows))
     if args.json:
-        body = {"command_line": shlex.join(["foveal", *sys.argv[1:]]),
-                "model_dir": str(plan.model_dir), "clip": asdict(plan.clip),
-                "output_len": plan.output_len, "repeats": plan.repeats,
-                "engine_kwargs": {**plan.engine_kwargs, "enable_prefix_caching": False},
-                "points": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(body, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+        write_json_report(Path(args.json), {
+            "model_dir": str(plan.model_dir), "clip": asdict(plan.clip),
+            "output_len": plan.output_len, "repeats": plan.repeats,
+            "engine_kwargs": {**plan.engine_kwargs, "enable_prefix_caching": False},
+            "points": rows})
     if args.plot:
         write_plot(rows, Path(args.plot))
         print(f"wrote {args.plot}")
