@@ -27,6 +27,7 @@ class Augment:
 
     lowres_prob: float = 0.3  # shrink an image's pixel budget to 1/2 .. 1/8 of its area
     fewer_frames_prob: float = 0.3  # feed a clip at 4 or 2 of its frames
+    max_follow_ups: int = 4  # more questions about the same media, as later chat turns
 
 
 @dataclass
@@ -69,11 +70,34 @@ class SampleEncoder:
                                                video.grid_thw))
         prompt_ids, _ = expand_mm_placeholders(prompt_ids, {"image": (self.image_token_id, images),
                                                             "video": (self.video_token_id, videos)})
-        answer_ids = self.tokenizer.encode(sample.answer) + [self.end_id]
-        return Encoded(prompt_ids + answer_ids, [IGNORE_INDEX] * len(prompt_ids) + answer_ids,
+        input_ids, labels = list(prompt_ids), [IGNORE_INDEX] * len(prompt_ids)
+        turns = [(sample.question, sample.answer)] + self._follow_ups(sample, rng, augment)
+        messages = list(conversation.messages)
+        for index, (_, answer) in enumerate(turns):
+            answer_ids = self.tokenizer.encode(answer) + [self.end_id]
+            input_ids += answer_ids
+            labels += answer_ids
+            if index + 1 < len(turns):  # the template's text up to the next answer
+                done = prompt + answer
+                messages += [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": turns[index + 1][0]}]
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                between = self.tokenizer.encode(prompt[len(done):])
+                assert between[0] == self.end_id, "the template closes a turn with <|im_end|>"
+                input_ids += between[1:]
+                labels += [IGNORE_INDEX] * (len(between) - 1)
+        return Encoded(input_ids, labels,
                        [item.pixel_values for item in images], [item.grid_thw for item in images],
                        [item.pixel_values_videos for item in videos], [item.grid_thw for item in videos],
                        sample.task, targets, video_targets)
+
+    @staticmethod
+    def _follow_ups(sample: Sample, rng, augment) -> list[tuple[str, str]]:
+        if rng is None or augment is None or not augment.max_follow_ups:
+            return []
+        pool = [qa for qa in sample.follow_ups if qa[0] != sample.question]
+        rng.shuffle(pool)
+        return pool[:rng.randint(0, augment.max_follow_ups)]
 
     def _image_processor(self, image, rng, augment) -> Qwen2VLImageProcessor:
         if rng is None or augment is None or rng.random() >= augment.lowres_prob:

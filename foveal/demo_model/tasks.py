@@ -51,6 +51,8 @@ class Sample:
     # per image (or per clip frame): the shapes drawn, (cx, cy, size, shape), in pixels;
     # training reads them for its dense auxiliary targets
     objects: list[list[tuple[float, float, float, str]]] = field(default_factory=list)
+    # more questions the same media answer (training asks them as later chat turns)
+    follow_ups: list[tuple[str, str]] = field(default_factory=list)
 
     def messages(self, detail: str = "auto") -> list[dict]:
         """One user turn in OpenAI chat form (media parts first, then the question)."""
@@ -70,8 +72,13 @@ def make_sample(split: str, index: int, task: str | None = None) -> Sample:
     if task is None:
         task = TASKS[index % len(TASKS)] if split != "train" else \
             rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS])[0]
-    question, answer, images, video, objects = _BUILDERS[task](rng)
-    return Sample(f"{split}-{index}", task, question, answer, images, video, objects=objects)
+    question, answer, images, video, objects, follow_ups = _BUILDERS[task](rng)
+    return Sample(f"{split}-{index}", task, question, answer, images, video, objects=objects,
+                  follow_ups=follow_ups)
+
+
+def _about(shape: str, color: str) -> list[tuple[str, str]]:
+    return [(f"What color is the {shape}?", color), (f"What shape is {color}?", shape)]
 
 
 def _size(rng: random.Random) -> tuple[int, int]:
@@ -107,11 +114,13 @@ def _shapes(rng):
         draw_shape(draw, shape, x, y, size, jitter_color(color, rng))
         objects.append((x, y, size, shape))
     k = rng.randrange(n)
+    follow_ups = [qa for shape, color in zip(shapes, colors) for qa in _about(shape, color)]
+    follow_ups.append(("How many shapes are there?", str(n)))
     if rng.random() < 0.5:
         question = rng.choice(("What color is the {s}?", "Which color is the {s}?")).format(s=shapes[k])
-        return question, colors[k], [image], None, [objects]
+        return question, colors[k], [image], None, [objects], follow_ups
     question = rng.choice(("What shape is {c}?", "Which shape is {c}?")).format(c=colors[k])
-    return question, shapes[k], [image], None, [objects]
+    return question, shapes[k], [image], None, [objects], follow_ups
 
 
 def _count(rng):
@@ -127,7 +136,7 @@ def _count(rng):
         draw_shape(draw, shape, x, y, size, jitter_color(rng.choice(COLOR_NAMES), rng))
         objects.append((x, y, size, shape))
     question = rng.choice(("How many shapes are there?", "How many shapes are in the image?"))
-    return question, str(n), [image], None, [objects]
+    return question, str(n), [image], None, [objects], []
 
 
 def _position(rng):
@@ -145,7 +154,8 @@ def _position(rng):
     image = canvas(width, height, rng)
     draw_shape(ImageDraw.Draw(image), shape, x, y, size, jitter_color(color, rng))
     question = rng.choice(("Where is the {c} {s}?", "Where is the {s}?")).format(c=color, s=shape)
-    return question, where, [image], None, [[(x, y, size, shape)]]
+    follow_ups = _about(shape, color) + [("How many shapes are there?", "1")]
+    return question, where, [image], None, [[(x, y, size, shape)]], follow_ups
 
 
 def _read(rng):
@@ -167,7 +177,7 @@ def _read(rng):
     ink = rng.randint(0, 60)
     draw_text(draw, text, x, y, size, (ink, ink, ink))
     question = rng.choice(("What does the text say?", "What is written in the image?", "Read the text."))
-    return question, text, [image], None, [objects]
+    return question, text, [image], None, [objects], []
 
 
 def _compare(rng):
@@ -190,7 +200,9 @@ def _compare(rng):
         images.append(image)
         objects.append([(x, y, size, shape)])
     question = f"Do the two images show the same {attribute}?"
-    return question, "yes" if same else "no", images, None, objects
+    follow_ups = [(f"Do the two images show the same {name}?", "yes" if a == b else "no")
+                  for name, a, b in (("shape", shape_a, shape_b), ("color", color_a, color_b))]
+    return question, "yes" if same else "no", images, None, objects, follow_ups
 
 
 def _motion(rng):
@@ -216,7 +228,7 @@ def _motion(rng):
         objects.append([(x, y, size, shape)])
     question = rng.choice(("Which way does the {s} move?", "Which way does the {c} {s} move?")).format(
         s=shape, c=color)
-    return question, direction, [], frames, objects
+    return question, direction, [], frames, objects, _about(shape, color)
 
 
 _BUILDERS = {"shapes": _shapes, "count": _count, "position": _position, "read": _read,

@@ -38,6 +38,35 @@ def test_encoding_labels_only_the_answer_and_expands_every_placeholder(scaffold)
         assert (videos > 0) == (sample.task == "motion")
 
 
+def test_follow_up_questions_become_later_chat_turns_with_every_answer_labelled(scaffold):
+    import random
+
+    from foveal.demo_model.encode import Augment
+    from foveal.multimodal.chat import parse_chat_conversation
+
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    sample = make_sample("train", 3, task="shapes")
+    item = encoder.encode(sample, random.Random(2), Augment(0, 0, max_follow_ups=3))
+    answers = encoder.tokenizer.decode([t for t in item.labels if t != IGNORE_INDEX],
+                                       skip_special_tokens=False).split("<|im_end|>")[:-1]
+    questions = [line for line in encoder.tokenizer.decode(item.input_ids).split("\n")
+                 if line.endswith("?")]
+    assert len(answers) == len(questions) >= 2
+    assert (questions[0], answers[0]) == (sample.question, sample.answer)
+    assert all(pair in sample.follow_ups for pair in zip(questions[1:], answers[1:]))
+    # the whole sequence is the chat template's rendering of that conversation
+    messages = parse_chat_conversation(sample.messages()).messages
+    for index, answer in enumerate(answers):
+        if index:
+            messages.append({"role": "user", "content": questions[index]})
+        messages.append({"role": "assistant", "content": answer})
+    text = encoder.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    collapsed = [t for i, t in enumerate(item.input_ids)
+                 if t != 12 or item.input_ids[i - 1] != 12]
+    assert collapsed == encoder.tokenizer.encode(text)[:-1]  # without the final newline
+
+
 def test_encoding_matches_the_engine_prompt(scaffold):
     """The tokens training sees are the tokens LLM.chat builds for the same sample."""
     from foveal import LLM, SamplingParams
