@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     train.add_argument("out", help="working folder (state, logs, the final OUT/model)")
     train.add_argument("--steps", type=int, help="optimizer steps (default 1800)")
     train.add_argument("--batch-size", type=int, help="samples per step (default 32)")
-    train.add_argument("--lr", type=float, help="peak learning rate (default 1.5e-3)")
+    train.add_argument("--lr", type=float, help="peak learning rate (default 3e-4)")
     train.add_argument("--seed", type=int, help="weight init seed (default 0)")
     train.add_argument("--eval-every", type=int,
                        help="steps between teacher-forced evals on held-out samples (default 200)")

@@ -39,7 +39,7 @@ MIN_PIXELS = 56 * 56
 class TrainConfig:
     steps: int = 1800
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
     min_lr_ratio: float = 0.05
     warmup: int = 150
     weight_decay: float = 0.05
