@@ -76,24 +76,22 @@ def task_corpus() -> str:
 def write_model_folder(folder: Path) -> dict:
     """Config, tokenizer, processor and generation configs (no weights yet)."""
     from foveal.loader.presets import get_preset
-    from foveal.loader.tiny_model import _generation_config, _write_json
+    from foveal.loader.tiny_model import generation_config, write_json
     from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
+    from foveal.multimodal.processors.qwen2_vl import Qwen2VLImageProcessor
 
     hf_config = get_preset(PRESET)
     folder.mkdir(parents=True, exist_ok=True)
     special = write_tiny_tokenizer(folder, vocab_size=TOKENIZER_VOCAB, extra_corpus=task_corpus())
-    _write_json(folder / "config.json", hf_config)
-    common = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-              "image_mean": [0.48145466, 0.4578275, 0.40821073],
-              "image_std": [0.26862954, 0.26130258, 0.27577711], "do_rescale": True,
-              "do_normalize": True, "rescale_factor": 1 / 255}
-    _write_json(folder / "preprocessor_config.json",
-                {**common, "min_pixels": MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS,
-                 "image_processor_type": "Qwen2VLImageProcessor"})
-    _write_json(folder / "video_preprocessor_config.json",
-                {**common, "min_pixels": MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS, "fps": 2.0,
-                 "min_frames": 4, "max_frames": 64, "video_processor_type": "Qwen2VLVideoProcessor"})
-    _write_json(folder / "generation_config.json", _generation_config(special))
+    write_json(folder / "config.json", hf_config)
+    image = Qwen2VLImageProcessor.from_config({}, {"min_pixels": MIN_PIXELS, "max_pixels": IMAGE_MAX_PIXELS})
+    write_json(folder / "preprocessor_config.json", image.to_config_dict())
+    video = image.with_overrides({"max_pixels": VIDEO_MAX_PIXELS}).to_config_dict()
+    del video["image_processor_type"]
+    write_json(folder / "video_preprocessor_config.json",
+               {**video, "fps": 2.0, "min_frames": 4, "max_frames": 64,
+                "video_processor_type": "Qwen2VLVideoProcessor"})
+    write_json(folder / "generation_config.json", generation_config(special))
     return hf_config
 
 
@@ -216,7 +214,7 @@ def teacher_forced_accuracy(model, encoder: SampleEncoder, num_samples: int, bf1
         predicted = logits[:, :-1].argmax(-1)
         targets = labels[:, 1:]
         for row, item in enumerate(encoded):
-            mask = targets[row] != -100
+            mask = targets[row] != IGNORE_INDEX
             hits[item.task][0] += int(bool((predicted[row][mask] == targets[row][mask]).all()))
             hits[item.task][1] += 1
     model.train()
@@ -252,8 +250,8 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         model.load_state_dict(state["model"])
-        probe.load_state_dict(state["probe"], strict=False)  # older states lack later heads
-        _load_optimizer(optimizer, state["optimizer"])
+        probe.load_state_dict(state["probe"])
+        optimizer.load_state_dict(state["optimizer"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         logger.info("resuming at step %d (%.0f s trained so far)", step, elapsed)
     params = sum(p.numel() for p in model.parameters())
@@ -301,19 +299,6 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     bar.close()
     export(model, out_dir / "scaffold", folder, history)
     return folder
-
-
-def _load_optimizer(optimizer, saved: dict) -> None:
-    """Load a saved optimizer state. Heads added since it was saved sit at the end
-    of their parameter group and start with fresh moments."""
-    sizes = [len(g["params"]) for g in saved["param_groups"]]
-    if sizes == [len(g["params"]) for g in optimizer.param_groups]:
-        optimizer.load_state_dict(saved)
-        return
-    for old, new in zip(saved["param_groups"], optimizer.param_groups):
-        for saved_id, param in zip(old["params"], new["params"]):
-            if saved_id in saved["state"]:
-                optimizer.state[param] = saved["state"][saved_id]
 
 
 def _save_state(path: Path, model, probe, optimizer, step: int, elapsed: float,

@@ -22,7 +22,7 @@ def _preprocessor_config(preset: str) -> dict:
     return Qwen2VLImageProcessor.from_config({}, overrides).to_config_dict()
 
 
-def _generation_config(special: dict[str, int]) -> dict:
+def generation_config(special: dict[str, int]) -> dict:
     eos = [special["<|im_end|>"], special["<|endoftext|>"]]
     return {"eos_token_id": eos, "pad_token_id": special["<|endoftext|>"],
             "bos_token_id": special["<|endoftext|>"], "do_sample": False}
@@ -43,8 +43,8 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: i
         model = build_dummy_model(hf_config, seed=seed)
         save_hf_checkpoint(model, hf_config, staging)
         special = write_tiny_tokenizer(staging, vocab_size=min(512, _vocab_size(hf_config)))
-        _write_json(staging / "preprocessor_config.json", _preprocessor_config(preset))
-        _write_json(staging / "generation_config.json", _generation_config(special))
+        write_json(staging / "preprocessor_config.json", _preprocessor_config(preset))
+        write_json(staging / "generation_config.json", generation_config(special))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
@@ -64,7 +64,7 @@ def _vocab_size(hf_config: dict) -> int:
     return hf_config.get("text_config", hf_config)["vocab_size"]
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
