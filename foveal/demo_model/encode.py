@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from foveal.demo_model.render import SHAPES
-from foveal.demo_model.tasks import Sample
+from foveal.demo_model.render import COLOR_NAMES, SHAPES
+from foveal.demo_model.tasks import DIRECTIONS, Sample
 from foveal.multimodal.chat import parse_chat_conversation
 from foveal.multimodal.media.video import DecodedVideo, VideoInfo, sample_indices
 from foveal.multimodal.processors.qwen2_vl import Qwen2VLImageProcessor, expand_mm_placeholders
@@ -19,6 +19,9 @@ from foveal.multimodal.processors.qwen2_vl_video import Qwen2VLVideoProcessor
 from foveal.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
+TEXT_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"  # class 0 is padding
+TEXT_SLOTS = 4
+MAX_COUNT = 9
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Encoded:
     # one shape class per visual token (0: none, 1 + SHAPES index), per image / video
     image_shape_targets: list[torch.Tensor]
     video_shape_targets: list[torch.Tensor]
+    # what each whole image / clip shows (see scene_targets), per visual token
+    image_scene_targets: list[tuple[torch.Tensor, torch.Tensor]]
+    video_scene_targets: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class SampleEncoder:
@@ -89,7 +95,9 @@ class SampleEncoder:
         return Encoded(input_ids, labels,
                        [item.pixel_values for item in images], [item.grid_thw for item in images],
                        [item.pixel_values_videos for item in videos], [item.grid_thw for item in videos],
-                       sample.task, targets, video_targets)
+                       sample.task, targets, video_targets,
+                       [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, targets)],
+                       [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, video_targets)])
 
     @staticmethod
     def _follow_ups(sample: Sample, rng, augment) -> list[tuple[str, str]]:
@@ -139,6 +147,29 @@ def shape_targets(frames: list[list[tuple]], width: int, height: int,
     return out.flatten()
 
 
+def scene_targets(scene: dict, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One image's (or clip's) scene, repeated on each of its `tokens` visual tokens:
+    classes (tokens, 1 + shapes + TEXT_SLOTS + 1) = [object count, the colour of
+    each shape (0: absent, 1 + colour index), the text's characters (0: padding),
+    the motion direction], IGNORE_INDEX where the scene does not say; and the one
+    shape's (x, y) as fractions (tokens, 2), NaN where there is not exactly one."""
+    classes = [IGNORE_INDEX] * (1 + len(SHAPES) + TEXT_SLOTS + 1)
+    if "count" in scene:
+        classes[0] = min(scene["count"], MAX_COUNT)
+    if "colors" in scene:
+        classes[1:1 + len(SHAPES)] = [COLOR_NAMES.index(scene["colors"][shape]) + 1
+                                      if shape in scene["colors"] else 0 for shape in SHAPES]
+    if "text" in scene:
+        text = scene["text"][:TEXT_SLOTS]
+        classes[1 + len(SHAPES):1 + len(SHAPES) + TEXT_SLOTS] = \
+            [TEXT_CHARS.index(c) + 1 for c in text] + [0] * (TEXT_SLOTS - len(text))
+    if "direction" in scene:
+        classes[-1] = tuple(DIRECTIONS).index(scene["direction"])
+    where = scene.get("where", (float("nan"), float("nan")))
+    return (torch.tensor(classes).repeat(tokens, 1),
+            torch.tensor(where, dtype=torch.float32).repeat(tokens, 1))
+
+
 def collate(batch: list[Encoded], pad_id: int, image_token_id: int = 12,
             video_token_id: int = 13) -> dict[str, torch.Tensor]:
     """Right-padded batch in transformers' Qwen2-VL forward signature
@@ -172,3 +203,10 @@ def batch_shape_targets(batch: list[Encoded]) -> list[torch.Tensor]:
     images = [t for item in batch for t in item.image_shape_targets]
     videos = [t for item in batch for t in item.video_shape_targets]
     return [torch.cat(group) for group in (images, videos) if group]
+
+
+def batch_scene_targets(batch: list[Encoded]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scene targets of every visual token of the batch, in the vision tower's order."""
+    pairs = [p for item in batch for p in item.image_scene_targets] + \
+            [p for item in batch for p in item.video_scene_targets]
+    return torch.cat([c for c, _ in pairs]), torch.cat([w for _, w in pairs])

@@ -53,6 +53,10 @@ class Sample:
     objects: list[list[tuple[float, float, float, str]]] = field(default_factory=list)
     # more questions the same media answer (training asks them as later chat turns)
     follow_ups: list[tuple[str, str]] = field(default_factory=list)
+    # per image (one entry for a clip): what the whole picture shows, for training's
+    # scene targets: "count", "colors" ({shape: colour}, when every shape's colour is
+    # known), "where" ((x, y) fractions of the one shape), "text", "direction"
+    scenes: list[dict] = field(default_factory=list)
 
     def messages(self, detail: str = "auto") -> list[dict]:
         """One user turn in OpenAI chat form (media parts first, then the question)."""
@@ -72,9 +76,9 @@ def make_sample(split: str, index: int, task: str | None = None) -> Sample:
     if task is None:
         task = TASKS[index % len(TASKS)] if split != "train" else \
             rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS])[0]
-    question, answer, images, video, objects, follow_ups = _BUILDERS[task](rng)
+    question, answer, images, video, objects, follow_ups, scenes = _BUILDERS[task](rng)
     return Sample(f"{split}-{index}", task, question, answer, images, video, objects=objects,
-                  follow_ups=follow_ups)
+                  follow_ups=follow_ups, scenes=scenes)
 
 
 def _about(shape: str, color: str) -> list[tuple[str, str]]:
@@ -116,11 +120,14 @@ def _shapes(rng):
     k = rng.randrange(n)
     follow_ups = [qa for shape, color in zip(shapes, colors) for qa in _about(shape, color)]
     follow_ups.append(("How many shapes are there?", str(n)))
+    scene = {"count": n, "colors": dict(zip(shapes, colors))}
+    if n == 1:
+        scene["where"] = (objects[0][0] / width, objects[0][1] / height)
     if rng.random() < 0.5:
         question = rng.choice(("What color is the {s}?", "Which color is the {s}?")).format(s=shapes[k])
-        return question, colors[k], [image], None, [objects], follow_ups
+        return question, colors[k], [image], None, [objects], follow_ups, [scene]
     question = rng.choice(("What shape is {c}?", "Which shape is {c}?")).format(c=colors[k])
-    return question, shapes[k], [image], None, [objects], follow_ups
+    return question, shapes[k], [image], None, [objects], follow_ups, [scene]
 
 
 def _count(rng):
@@ -136,7 +143,10 @@ def _count(rng):
         draw_shape(draw, shape, x, y, size, jitter_color(rng.choice(COLOR_NAMES), rng))
         objects.append((x, y, size, shape))
     question = rng.choice(("How many shapes are there?", "How many shapes are in the image?"))
-    return question, str(n), [image], None, [objects], []
+    scene = {"count": n}
+    if n == 1:
+        scene["where"] = (objects[0][0] / width, objects[0][1] / height)
+    return question, str(n), [image], None, [objects], [], [scene]
 
 
 def _position(rng):
@@ -155,7 +165,8 @@ def _position(rng):
     draw_shape(ImageDraw.Draw(image), shape, x, y, size, jitter_color(color, rng))
     question = rng.choice(("Where is the {c} {s}?", "Where is the {s}?")).format(c=color, s=shape)
     follow_ups = _about(shape, color) + [("How many shapes are there?", "1")]
-    return question, where, [image], None, [[(x, y, size, shape)]], follow_ups
+    scene = {"count": 1, "colors": {shape: color}, "where": (x / width, y / height)}
+    return question, where, [image], None, [[(x, y, size, shape)]], follow_ups, [scene]
 
 
 def _read(rng):
@@ -166,18 +177,20 @@ def _read(rng):
     image = canvas(width, height, rng)
     draw = ImageDraw.Draw(image)
     x, y = rng.uniform(6, width - tw - 6), rng.uniform(6, height - th - 10)
-    objects = []
+    objects, scene = [], {"text": text}
     if rng.random() < 0.5:  # a distractor shape away from the text
         sx = rng.uniform(24, width - 24)
         sy = rng.uniform(24, height - 24)
         if abs(sx - (x + tw / 2)) > tw / 2 + 30 or abs(sy - (y + th / 2)) > th / 2 + 30:
-            shape, size = rng.choice(SHAPES), rng.uniform(24, 40)
-            draw_shape(draw, shape, sx, sy, size, jitter_color(rng.choice(COLOR_NAMES), rng))
+            shape, size, color = rng.choice(SHAPES), rng.uniform(24, 40), rng.choice(COLOR_NAMES)
+            draw_shape(draw, shape, sx, sy, size, jitter_color(color, rng))
             objects.append((sx, sy, size, shape))
+            scene.update(colors={shape: color}, where=(sx / width, sy / height))
+    scene["count"] = len(objects)
     ink = rng.randint(0, 60)
     draw_text(draw, text, x, y, size, (ink, ink, ink))
     question = rng.choice(("What does the text say?", "What is written in the image?", "Read the text."))
-    return question, text, [image], None, [objects], []
+    return question, text, [image], None, [objects], [], [scene]
 
 
 def _compare(rng):
@@ -189,7 +202,7 @@ def _compare(rng):
         shape_b = shape_a if same else rng.choice([s for s in SHAPES if s != shape_a])
     else:
         color_b = color_a if same else rng.choice([c for c in COLOR_NAMES if c != color_a])
-    images, objects = [], []
+    images, objects, scenes = [], [], []
     for shape, color in ((shape_a, color_a), (shape_b, color_b)):
         side_w, side_h = rng.choice(_SMALL_SIDES), rng.choice(_SMALL_SIDES)
         size = rng.uniform(36, 56)
@@ -199,10 +212,11 @@ def _compare(rng):
         draw_shape(ImageDraw.Draw(image), shape, x, y, size, jitter_color(color, rng))
         images.append(image)
         objects.append([(x, y, size, shape)])
+        scenes.append({"count": 1, "colors": {shape: color}, "where": (x / side_w, y / side_h)})
     question = f"Do the two images show the same {attribute}?"
     follow_ups = [(f"Do the two images show the same {name}?", "yes" if a == b else "no")
                   for name, a, b in (("shape", shape_a, shape_b), ("color", color_a, color_b))]
-    return question, "yes" if same else "no", images, None, objects, follow_ups
+    return question, "yes" if same else "no", images, None, objects, follow_ups, scenes
 
 
 def _motion(rng):
@@ -228,7 +242,8 @@ def _motion(rng):
         objects.append([(x, y, size, shape)])
     question = rng.choice(("Which way does the {s} move?", "Which way does the {c} {s} move?")).format(
         s=shape, c=color)
-    return question, direction, [], frames, objects, _about(shape, color)
+    scene = {"count": 1, "colors": {shape: color}, "direction": direction}
+    return question, direction, [], frames, objects, _about(shape, color), [scene]
 
 
 _BUILDERS = {"shapes": _shapes, "count": _count, "position": _position, "read": _read,

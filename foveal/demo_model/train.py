@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
-from foveal.demo_model.encode import IGNORE_INDEX, Augment, SampleEncoder, batch_shape_targets, collate
+from foveal.demo_model.encode import (
+    IGNORE_INDEX, MAX_COUNT, TEXT_CHARS, TEXT_SLOTS, Augment, SampleEncoder, batch_scene_targets,
+    batch_shape_targets, collate,
+)
 from foveal.demo_model.render import COLORS, SHAPES
-from foveal.demo_model.tasks import TASKS, TRAIN_WEIGHTS, make_sample
+from foveal.demo_model.tasks import DIRECTIONS, TASKS, TRAIN_WEIGHTS, make_sample
 from foveal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -140,20 +143,32 @@ class VisualTokenProbe(torch.nn.Module):
     text ink, read off the cell's own pixels) and the shape covering it (from
     the objects the generator drew). A VLM trained from scratch sits on the
     answer prior until its vision tower carries signal; these dense losses give
-    the tower gradient from the first step."""
+    the tower gradient from the first step.
+
+    Scene heads: every token of an image (or clip) also predicts what the whole
+    picture shows (encode.scene_targets: object count, each shape's colour, the
+    text's characters, the motion direction, the one shape's place). The tower
+    attends across its image, so it learns to write the scene into each token,
+    and the text decoder can answer from any visual token it attends to."""
 
     NUM_CLASSES = len(COLORS) + 2  # background, colours..., ink
+    # class-count of each scene column: count, shape colours, text slots, direction
+    SCENE_GROUPS = ((MAX_COUNT + 1,) + (len(COLORS) + 1,) * len(SHAPES)
+                    + (len(TEXT_CHARS) + 1,) * TEXT_SLOTS + (len(DIRECTIONS),))
 
     def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2):
         super().__init__()
         self.head = torch.nn.Linear(hidden, self.NUM_CLASSES)
         self.shape_head = torch.nn.Linear(hidden, len(SHAPES) + 1)
         self.position_head = torch.nn.Linear(hidden, 2)
+        self.scene_head = torch.nn.Linear(hidden, sum(self.SCENE_GROUPS))
+        self.where_head = torch.nn.Linear(hidden, 2)
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1), persistent=False)
         self.register_buffer("palette", torch.tensor(list(COLORS.values()), dtype=torch.float32) / 255,
                              persistent=False)
         self.merge, self.patch, self.temporal = merge, patch, temporal
+        self.scene_weight = 4.0
 
     @torch.no_grad()
     def targets(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -163,10 +178,12 @@ class VisualTokenProbe(torch.nn.Module):
         cells = rows.view(-1, window, 3, self.patch * self.patch).permute(0, 2, 1, 3)
         rgb = (cells.reshape(cells.shape[0], 3, -1) * self.std + self.mean).clamp(0, 1)
         saturation = rgb.amax(1) - rgb.amin(1)
-        distance = ((rgb.unsqueeze(1) - self.palette.view(1, -1, 3, 1)) ** 2).sum(2)
-        classes = torch.where(saturation > 0.25, distance.argmin(1) + 1, 0)
+        # nearest palette colour: argmin |x - p|^2 = argmin (|p|^2 - 2 x.p)
+        distance = (self.palette ** 2).sum(1) - 2 * rgb.transpose(1, 2) @ self.palette.T
+        classes = torch.where(saturation > 0.25, distance.argmin(2) + 1, 0)
         classes = torch.where((saturation <= 0.25) & (rgb.amax(1) < 0.5), self.NUM_CLASSES - 1, classes)
-        counts = torch.nn.functional.one_hot(classes, self.NUM_CLASSES).sum(1)
+        counts = torch.zeros(classes.shape[0], self.NUM_CLASSES).scatter_add_(
+            1, classes, torch.ones(classes.shape))
         counts[:, 0] = 0
         best = counts.argmax(1)
         enough = counts.gather(1, best[:, None]).squeeze(1) >= 0.08 * classes.shape[1]
@@ -186,14 +203,30 @@ class VisualTokenProbe(torch.nn.Module):
             out.append(cell.repeat(t, 1))
         return torch.cat(out)
 
+    def scene_loss(self, features: torch.Tensor, classes: torch.Tensor,
+                   where: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the scene columns a token has targets for, plus
+        the one shape's place where there is exactly one."""
+        logits = self.scene_head(features).split(self.SCENE_GROUPS, dim=-1)
+        losses = [torch.nn.functional.cross_entropy(out, classes[:, i], ignore_index=IGNORE_INDEX)
+                  for i, out in enumerate(logits) if (classes[:, i] != IGNORE_INDEX).any()]
+        known = ~where[:, 0].isnan()
+        if known.any():
+            losses.append(10 * torch.nn.functional.mse_loss(self.where_head(features[known]), where[known]))
+        return torch.stack(losses).sum() / len(self.SCENE_GROUPS)
+
     def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
-             shapes: list[torch.Tensor], grids: list[torch.Tensor]) -> torch.Tensor:
+             shapes: list[torch.Tensor], grids: list[torch.Tensor],
+             scenes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         features = torch.cat(features).float()
         colours = torch.cat([self.targets(p) for p in pixels])
         where = torch.cat([self.positions(g) for g in grids])
-        return (torch.nn.functional.cross_entropy(self.head(features), colours)
-                + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
-                + 10 * torch.nn.functional.mse_loss(self.position_head(features), where))
+        total = (torch.nn.functional.cross_entropy(self.head(features), colours)
+                 + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
+                 + 10 * torch.nn.functional.mse_loss(self.position_head(features), where))
+        if scenes is not None:
+            total = total + self.scene_weight * self.scene_loss(features, *scenes)
+        return total
 
 
 @torch.no_grad()
@@ -240,8 +273,8 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    decay += [probe.head.weight, probe.shape_head.weight, probe.position_head.weight]
-    no_decay += [probe.head.bias, probe.shape_head.bias, probe.position_head.bias]
+    decay += [p for p in probe.parameters() if p.dim() >= 2]
+    no_decay += [p for p in probe.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
@@ -278,7 +311,7 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
             if cfg.aux_weight:
                 grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch]
                 loss = loss + cfg.aux_weight * probe.loss(merged, pixels, batch_shape_targets(encoded),
-                                                          grids)
+                                                          grids, batch_scene_targets(encoded))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *probe.parameters()], 1.0)

@@ -6,7 +6,10 @@ import json
 import pytest
 import torch
 
-from foveal.demo_model.encode import IGNORE_INDEX, SampleEncoder, batch_shape_targets, collate, shape_targets
+from foveal.demo_model.encode import (
+    IGNORE_INDEX, TEXT_CHARS, SampleEncoder, batch_scene_targets, batch_shape_targets, collate,
+    scene_targets, shape_targets,
+)
 from foveal.demo_model.render import COLOR_NAMES, SHAPES
 from foveal.demo_model.tasks import TASKS, make_sample
 from foveal.demo_model.train import (
@@ -130,6 +133,59 @@ def test_batch_shape_targets_follow_the_vision_towers_order(scaffold):
     images, videos = batch_shape_targets(items)
     assert torch.equal(images, torch.cat(items[1].image_shape_targets + items[2].image_shape_targets))
     assert torch.equal(videos, items[0].video_shape_targets[0])
+
+
+def test_scene_targets_spell_out_each_known_fact_and_ignore_the_rest():
+    classes, where = scene_targets({"count": 2, "colors": {"square": "blue", "star": "red"},
+                                    "text": "CAT"}, tokens=3)
+    assert classes.shape == (3, 1 + len(SHAPES) + 4 + 1) and torch.equal(classes[0], classes[2])
+    row = classes[0].tolist()
+    assert row[0] == 2
+    assert row[1:1 + len(SHAPES)] == [COLOR_NAMES.index({"square": "blue", "star": "red"}[s]) + 1
+                                      if s in ("square", "star") else 0 for s in SHAPES]
+    assert row[1 + len(SHAPES):-1] == [TEXT_CHARS.index(c) + 1 for c in "CAT"] + [0]
+    assert row[-1] == IGNORE_INDEX  # not a clip
+    assert bool(where.isnan().all())  # two shapes: no single place
+    classes, where = scene_targets({"count": 1, "direction": "down", "where": (0.25, 0.5)}, 2)
+    assert classes[0, -1] == 3 and classes[0, 1] == IGNORE_INDEX  # colours unknown
+    assert where.tolist() == [[0.25, 0.5]] * 2
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_each_samples_scene_agrees_with_its_answer_and_drawn_objects(index):
+    sample = make_sample("eval", index)
+    assert len(sample.scenes) == max(1, len(sample.images))
+    for scene, objects in zip(sample.scenes, sample.objects):
+        assert scene["count"] == len(objects)
+        if "colors" in scene:
+            assert set(scene["colors"]) == {shape for *_, shape in objects}
+    scene = sample.scenes[0]
+    if sample.task == "read":
+        assert scene["text"] == sample.answer
+    elif sample.task == "motion":
+        assert scene["direction"] == sample.answer
+    elif sample.task == "shapes":
+        assert sample.answer in set(scene["colors"]) | set(scene["colors"].values())
+    elif sample.task == "position":
+        x, y = scene["where"]
+        assert {"left": x < 0.3, "right": x > 0.7, "top": y < 0.3, "bottom": y > 0.7}[sample.answer]
+
+
+def test_scene_loss_covers_every_visual_token_in_the_towers_order(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    items = [encoder.encode(make_sample("eval", i)) for i in (5, 3, 4)]  # clip, read, two images
+    classes, where = batch_scene_targets(items)
+    shapes = batch_shape_targets(items)
+    assert classes.shape[0] == where.shape[0] == sum(len(t) for t in shapes)
+    reads = classes[:len(items[1].image_shape_targets[0]), 1 + len(SHAPES)]
+    assert bool((reads > 0).all())  # the read image's tokens all carry its first character
+    assert bool((classes[-len(shapes[-1]):, -1] >= 0).all())  # the clip's tokens carry its direction
+    probe = VisualTokenProbe(hf_config["text_config"]["hidden_size"], encoder.images.image_mean,
+                             encoder.images.image_std)
+    features = torch.randn(classes.shape[0], hf_config["text_config"]["hidden_size"])
+    loss = probe.scene_loss(features, classes, where)
+    assert torch.isfinite(loss) and loss > 0
 
 
 def test_answer_loss_weighs_each_sample_equally():
