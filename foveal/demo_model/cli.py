@@ -10,7 +10,8 @@ _TASK_NAMES = "shapes, count, position, read, compare, motion"
 def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
-    given = {name: getattr(args, name) for name in ("steps", "batch_size", "lr", "seed", "eval_every")
+    given = {name: getattr(args, name) for name in ("vision_steps", "steps", "batch_size", "vision_lr", "lr", "seed",
+                                               "eval_every")
              if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)
@@ -33,12 +34,17 @@ def register(subparsers) -> None:
                     f"synthetic tasks ({_TASK_NAMES}). Rerun the same command to resume from "
                     "OUT/train_state.pt. Writes OUT/model, an HF checkpoint folder.")
     train.add_argument("out", help="working folder (state, logs, the final OUT/model)")
-    train.add_argument("--steps", type=int, help="optimizer steps (default 1800)")
-    train.add_argument("--batch-size", type=int, help="samples per step (default 32)")
-    train.add_argument("--lr", type=float, help="peak learning rate (default 3e-4)")
+    train.add_argument("--vision-steps", type=int,
+                       help="stage 1: steps training the vision tower on dense per-token targets "
+                            "(default 2000)")
+    train.add_argument("--steps", type=int,
+                       help="stage 2: steps training the text decoder on the frozen tower (default 3000)")
+    train.add_argument("--batch-size", type=int, help="samples per step (default 16)")
+    train.add_argument("--vision-lr", type=float, help="stage 1 peak learning rate (default 1e-3)")
+    train.add_argument("--lr", type=float, help="stage 2 peak learning rate (default 3e-4)")
     train.add_argument("--seed", type=int, help="weight init seed (default 0)")
     train.add_argument("--eval-every", type=int,
-                       help="steps between teacher-forced evals on held-out samples (default 200)")
+                       help="steps between teacher-forced evals on held-out samples (default 300)")
     train.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                        help="bf16 autocast (auto: when the CPU has native bf16)")
     train.set_defaults(func=_train)

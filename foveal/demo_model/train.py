@@ -40,19 +40,30 @@ MIN_PIXELS = 56 * 56
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1800
-    batch_size: int = 32
+    """Two stages. Stage 1 (`vision_steps`): the vision tower alone learns the
+    dense per-token targets (VisualTokenProbe). Stage 2 (`steps`): the tower is
+    frozen and the text decoder learns to answer. Trained jointly from scratch,
+    the decoder stays on the answer prior while the tower's features move; on a
+    frozen tower it learns the same reads in a few hundred steps
+    (docs/benchmarks.md, "Demo model training")."""
+
+    vision_steps: int = 2000
+    steps: int = 3000
+    batch_size: int = 16
+    vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
     min_lr_ratio: float = 0.05
-    warmup: int = 150
+    warmup: int = 100
     weight_decay: float = 0.05
     seed: int = 0
     checkpoint_every: int = 100
-    eval_every: int = 200
+    eval_every: int = 300
     eval_samples: int = 120
-    aux_weight: float = 0.5  # dense colour-map loss on the visual tokens (see VisualTokenProbe)
-    read_ramp: float = 0.35  # the read task's share grows to full over this fraction of steps
     bf16: bool | None = None  # None: when the CPU has native bf16
+
+    @property
+    def total_steps(self) -> int:
+        return self.vision_steps + self.steps
 
 
 def cpu_has_native_bf16() -> bool:
@@ -113,17 +124,14 @@ def build_hf_model(hf_config: dict, seed: int):
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def task_weights(step: int, cfg: TrainConfig) -> list[float]:
-    """Curriculum: reading (multi-token answers that only pay off once the vision
-    tower resolves glyphs) starts at a tenth of its weight and ramps to full."""
-    ramp = min(1.0, 0.1 + 0.9 * step / max(1.0, cfg.read_ramp * cfg.steps))
-    return [TRAIN_WEIGHTS[task] * (ramp if task == "read" else 1.0) for task in TASKS]
+    """Warmup then cosine decay to min_lr_ratio, separately in each stage."""
+    peak, length = (cfg.vision_lr, cfg.vision_steps) if step < cfg.vision_steps else (cfg.lr, cfg.steps)
+    step = step if step < cfg.vision_steps else step - cfg.vision_steps
+    warmup = min(cfg.warmup, max(1, length // 2))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, length - warmup))
+    return peak * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -288,15 +296,20 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         logger.info("resuming at step %d (%.0f s trained so far)", step, elapsed)
     params = sum(p.numel() for p in model.parameters())
-    logger.info("demo model: %.2fM parameters, batch %d, %d steps, bf16 autocast %s",
-                params / 1e6, cfg.batch_size, cfg.steps, "on" if bf16 else "off")
+    logger.info("demo model: %.2fM parameters, batch %d, %d vision + %d decoder steps, bf16 autocast %s",
+                params / 1e6, cfg.batch_size, cfg.vision_steps, cfg.steps, "on" if bf16 else "off")
     augment = Augment()
-    bar = tqdm(total=cfg.steps, initial=step, desc="train-demo", dynamic_ncols=True)
+    bar = tqdm(total=cfg.total_steps, initial=step, desc="train-demo", dynamic_ncols=True)
     loss_ema = history[-1]["loss"] if history else None
-    while step < cfg.steps:
+    stage = None
+    while step < cfg.total_steps:
+        vision_stage = step < cfg.vision_steps
+        if vision_stage != stage:
+            _set_stage(model, probe, vision_stage)
+            stage = vision_stage
         started = time.perf_counter()
         rng = random.Random(f"augment:{cfg.seed}:{step}")
-        tasks = rng.choices(TASKS, weights=task_weights(step, cfg), k=cfg.batch_size)
+        tasks = rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS], k=cfg.batch_size)
         samples = [make_sample("train", step * cfg.batch_size + i, task=task)
                    for i, task in enumerate(tasks)]
         encoded = [encoder.encode(s, rng, augment) for s in samples]
@@ -306,32 +319,90 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
             group["lr"] = lr_at(step, cfg)
         merged.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = answer_loss(model(**batch).logits, labels)
-            pixels = [batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch]
-            if cfg.aux_weight:
-                grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch]
-                loss = loss + cfg.aux_weight * probe.loss(merged, pixels, batch_shape_targets(encoded),
-                                                          grids, batch_scene_targets(encoded))
+            if vision_stage:
+                media = _run_vision_tower(model, batch)
+                loss = probe.loss(merged, [batch[k] for k, _ in media], batch_shape_targets(encoded),
+                                  [batch[g] for _, g in media], batch_scene_targets(encoded))
+            else:
+                loss = answer_loss(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([*model.parameters(), *probe.parameters()], 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in (*model.parameters(), *probe.parameters())
+                                        if p.requires_grad], 1.0)
         optimizer.step()
         step += 1
         elapsed += time.perf_counter() - started
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        if step == cfg.vision_steps + 1 or loss_ema is None:
+            loss_ema = loss.item()  # a new stage, a new loss
+        loss_ema = 0.95 * loss_ema + 0.05 * loss.item()
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr_at(step, cfg):.1e}")
+        bar.set_postfix(stage=1 if vision_stage else 2, loss=f"{loss_ema:.3f}", lr=f"{lr_at(step, cfg):.1e}")
         record = {"step": step, "loss": loss_ema, "elapsed": elapsed}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            record["eval"] = teacher_forced_accuracy(model, encoder, cfg.eval_samples, bf16)
-            bar.write(f"step {step}: loss {loss_ema:.3f}, eval " +
-                      ", ".join(f"{k} {v:.2f}" for k, v in record["eval"].items()))
+        if step % cfg.eval_every == 0 or step in (cfg.vision_steps, cfg.total_steps):
+            if vision_stage:
+                record["probe"] = probe_accuracy(model, probe, encoder, cfg.eval_samples, bf16)
+                scores = record["probe"]
+            else:
+                record["eval"] = scores = teacher_forced_accuracy(model, encoder, cfg.eval_samples, bf16)
+            bar.write(f"step {step}: loss {loss_ema:.3f}, {'probe' if vision_stage else 'eval'} " +
+                      ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
         history.append(record)
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+        if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
             _save_state(state_path, model, probe, optimizer, step, elapsed, history)
     bar.close()
     export(model, out_dir / "scaffold", folder, history)
     return folder
+
+
+def _set_stage(model, probe, vision_stage: bool) -> None:
+    """Stage 1 trains the vision tower and the probe; stage 2 the rest."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(("visual" in name.split(".")[:2]) == vision_stage)
+    for param in probe.parameters():
+        param.requires_grad_(vision_stage)
+
+
+def _run_vision_tower(model, batch: dict) -> list[tuple[str, str]]:
+    """The tower alone on the batch's images, then its videos (the probe's hook
+    collects the merged tokens); returns the (pixels, grid) keys it ran."""
+    media = [(k, g) for k, g in (("pixel_values", "image_grid_thw"),
+                                 ("pixel_values_videos", "video_grid_thw")) if k in batch]
+    for pixels, grid in media:
+        model.model.visual(batch[pixels], grid_thw=batch[grid])
+    return media
+
+
+@torch.no_grad()
+def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_samples: int,
+                   bf16: bool, batch_size: int = 16) -> dict[str, float]:
+    """Stage 1's held-out score: per visual token, how often the scene heads name
+    the object count, the shapes' colours, the text's characters and the motion
+    direction (where the scene says), and the per-cell colour head."""
+    merged: list[torch.Tensor] = []
+    hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
+    names = ["count"] + ["colors"] * len(SHAPES) + ["text"] * TEXT_SLOTS + ["direction"]
+    hits = {name: [0, 0] for name in ["cell_color", *dict.fromkeys(names)]}
+    try:
+        for start in range(0, num_samples, batch_size):
+            encoded = [encoder.encode(make_sample("eval", i))
+                       for i in range(start, min(num_samples, start + batch_size))]
+            batch = collate(encoded, pad_id=0)
+            merged.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                media = _run_vision_tower(model, batch)
+            features = torch.cat(merged).float()
+            colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
+            hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
+            hits["cell_color"][1] += len(colours)
+            classes, _ = batch_scene_targets(encoded)
+            for column, (name, logits) in enumerate(zip(names, probe.scene_head(features).split(
+                    probe.SCENE_GROUPS, dim=-1))):
+                known = classes[:, column] != IGNORE_INDEX
+                hits[name][0] += int((logits.argmax(-1)[known] == classes[known, column]).sum())
+                hits[name][1] += int(known.sum())
+    finally:
+        hook.remove()
+    return {name: h / max(1, n) for name, (h, n) in hits.items()}
 
 
 def _save_state(path: Path, model, probe, optimizer, step: int, elapsed: float,
@@ -351,7 +422,7 @@ def export(model, scaffold: Path, folder: Path, history: list) -> None:
     model.to(torch.float16).save_pretrained(staging)
     model.to(torch.float32)
     (staging / "training_log.json").write_text(json.dumps(history[-1:] + [
-        r for r in history if "eval" in r], indent=1) + "\n")
+        r for r in history if "eval" in r or "probe" in r], indent=1) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     logger.info("wrote %s", folder)
