@@ -36,9 +36,9 @@ def register(subparsers) -> None:
     train.add_argument("out", help="working folder (state, logs, the final OUT/model)")
     train.add_argument("--vision-steps", type=int,
                        help="stage 1: steps training the vision tower on dense per-token targets "
-                            "(default 2000)")
+                            "(default 1800)")
     train.add_argument("--steps", type=int,
-                       help="stage 2: steps training the text decoder on the frozen tower (default 3000)")
+                       help="stage 2: steps training the text decoder on the frozen tower (default 2400)")
     train.add_argument("--batch-size", type=int, help="samples per step (default 16)")
     train.add_argument("--vision-lr", type=float, help="stage 1 peak learning rate (default 1e-3)")
     train.add_argument("--lr", type=float, help="stage 2 peak learning rate (default 3e-4)")

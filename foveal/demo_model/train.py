@@ -1,6 +1,7 @@
 """`foveal train-demo`: train the demo model (the `demo` preset, a ~8M parameter
 Qwen2-VL) from scratch on the synthetic tasks, on CPU, with transformers'
-Qwen2-VL as the training graph.
+Qwen2-VL as the training graph, in two stages (TrainConfig): the vision tower
+on dense per-token targets, then the text decoder on the frozen tower.
 
 Resumable: `OUT/train_state.pt` holds weights, optimizer, step and data
 position and is rewritten every `--checkpoint-every` steps; rerunning the same
@@ -47,8 +48,8 @@ class TrainConfig:
     frozen tower it learns the same reads in a few hundred steps
     (docs/benchmarks.md, "Demo model training")."""
 
-    vision_steps: int = 2000
-    steps: int = 3000
+    vision_steps: int = 1800
+    steps: int = 2400
     batch_size: int = 16
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)

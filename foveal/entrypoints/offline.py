@@ -82,6 +82,10 @@ def user_message(text: str, media: Attachments) -> dict:
 def _llm(args: argparse.Namespace):
     from foveal import LLM
 
+    if args.model is None:
+        from foveal.demo_model import default_model_dir
+
+        args.model = str(default_model_dir())
     return LLM(model=args.model, stages=stages_config_from_args(args), **engine_kwargs(args))
 
 
@@ -153,7 +157,7 @@ def _chat_loop(llm, params, pending: Attachments) -> None:
 def register(subparsers) -> None:
     generate = subparsers.add_parser("generate", help="answer one prompt (with images)",
                                      description="Answer one prompt, optionally about images.")
-    generate.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    generate.add_argument("--model", help="Hugging Face checkpoint folder (default: the shipped demo model)")
     generate.add_argument("--image", action="append", default=[], metavar="PATH",
                           help="image file (repeatable)")
     generate.add_argument("--video", action="append", default=[], metavar="PATH",
@@ -170,7 +174,7 @@ def register(subparsers) -> None:
 
     chat = subparsers.add_parser("chat", help="interactive multi-turn chat",
                                  description="Chat with a model; attach media by path.")
-    chat.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    chat.add_argument("--model", help="Hugging Face checkpoint folder (default: the shipped demo model)")
     chat.add_argument("--video", action="append", default=[], metavar="PATH",
                       help="video file attached to the first message (repeatable)")
     _add_document_args(chat)

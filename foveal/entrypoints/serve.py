@@ -1,5 +1,5 @@
 """`foveal serve [MODEL]`: the OpenAI-compatible HTTP server over AsyncLLM.
-Without MODEL it serves the embedded tiny checkpoint (random weights, offline).
+Without MODEL it serves the shipped demo model (foveal/assets/demo_model).
 Besides the engine flags: server flags (names, key, media fetching, the default
 visual-token budget) and the preprocessing stage flags (--stage-workers, ...)."""
 from __future__ import annotations
@@ -7,20 +7,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from foveal.demo_model import DEMO_MODEL_NAME
 from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
 from foveal.errors import ConfigError
 from foveal.stages.cli import add_engine_stage_args, stages_config_from_args
 
-DEFAULT_PRESET = "tiny-qwen2-vl"
 
 
 def _model_dir(model: str | None) -> str:
     if model:
         return model
-    from foveal.entrypoints.demo import default_cache_dir
-    from foveal.loader.tiny_model import ensure_tiny_checkpoint
+    from foveal.demo_model import default_model_dir
 
-    return str(ensure_tiny_checkpoint(default_cache_dir() / DEFAULT_PRESET, DEFAULT_PRESET))
+    return str(default_model_dir())
 
 
 def server_config(args: argparse.Namespace, model_dir: str):
@@ -33,7 +32,7 @@ def server_config(args: argparse.Namespace, model_dir: str):
     local_root = args.allowed_local_media_path
     if local_root and not Path(local_root).is_dir():
         raise ConfigError(f"--allowed-local-media-path {local_root!r} is not a folder")
-    names = tuple(args.served_model_name or [args.model or DEFAULT_PRESET])
+    names = tuple(args.served_model_name or [args.model or DEMO_MODEL_NAME])
     media = MediaFetchConfig(timeout_s=args.media_fetch_timeout,
                              max_bytes=args.max_media_bytes,
                              allowed_local_media_path=local_root)
@@ -96,8 +95,8 @@ def register(subparsers) -> None:
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve MODEL (a Hugging Face checkpoint folder) over the OpenAI API: "
                     "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
-                    "Without MODEL, serves the embedded tiny random-weight checkpoint.")
-    parser.add_argument("model", nargs="?", help="checkpoint folder (default: tiny demo)")
+                    "Without MODEL, serves the shipped demo model.")
+    parser.add_argument("model", nargs="?", help="checkpoint folder (default: the shipped demo model)")
     add_server_args(parser)
     add_engine_args(parser)
     add_engine_stage_args(parser.add_argument_group("preprocessing stages (PDF, OCR, ASR)"))

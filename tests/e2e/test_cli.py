@@ -31,14 +31,14 @@ def test_tiny_model_writes_a_loadable_hf_folder(tmp_path):
     assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
 
 
-def test_demo_builds_the_checkpoint_once_and_answers(tmp_path, monkeypatch, capsys):
+def test_demo_with_a_preset_builds_the_checkpoint_once_and_answers(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path))
-    assert main(["demo", "--max-tokens", "4"]) == 0
+    assert main(["demo", "--preset", "tiny-qwen2-vl", "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "answer:" in out and "generated: 4" in out
     built = tmp_path / "tiny-qwen2-vl" / "model.safetensors"
     stamp = built.stat().st_mtime_ns
-    assert main(["demo", "--max-tokens", "2"]) == 0
+    assert main(["demo", "--preset", "tiny-qwen2-vl", "--max-tokens", "2"]) == 0
     assert built.stat().st_mtime_ns == stamp  # reused, not rebuilt
 
 
