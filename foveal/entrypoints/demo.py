@@ -27,7 +27,8 @@ def _model(args: argparse.Namespace) -> tuple[Path, str]:
         return Path(args.model), "your checkpoint"
     from foveal.demo_model import default_model_dir
 
-    return default_model_dir(), "the shipped demo model, trained on synthetic shapes, colours, counts, positions and motion"
+    return default_model_dir(), ("the shipped demo model, trained on synthetic shapes, colours, "
+                                 "counts, positions and motion")
 
 
 def run_demo(args: argparse.Namespace) -> int:
