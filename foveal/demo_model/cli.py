@@ -10,9 +10,8 @@ _TASK_NAMES = "shapes, count, position, read, compare, motion"
 def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
-    given = {name: getattr(args, name) for name in ("vision_steps", "steps", "batch_size", "vision_lr", "lr", "seed",
-                                               "eval_every")
-             if getattr(args, name) is not None}
+    names = ("vision_steps", "steps", "batch_size", "vision_lr", "lr", "seed", "eval_every")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)
     print(f"wrote the trained checkpoint to {folder}")
