@@ -177,7 +177,7 @@ def _read(rng):
     image = canvas(width, height, rng)
     draw = ImageDraw.Draw(image)
     x, y = rng.uniform(6, width - tw - 6), rng.uniform(6, height - th - 10)
-    objects, scene = [], {"text": text}
+    objects, scene = [], {"text": text, "text_at": (x, y, size)}
     if rng.random() < 0.5:  # a distractor shape away from the text
         sx = rng.uniform(24, width - 24)
         sy = rng.uniform(24, height - 24)
