@@ -46,7 +46,7 @@ class TrainConfig:
     frozen and the text decoder learns to answer. Trained jointly from scratch,
     the decoder stays on the answer prior while the tower's features move; on a
     frozen tower it learns the same reads in a few hundred steps
-    (docs/benchmarks.md, "Demo model training")."""
+    (docs/benchmarks.md, "Demo model", "Training")."""
 
     vision_steps: int = 1800
     steps: int = 2400
@@ -161,9 +161,11 @@ class VisualTokenProbe(torch.nn.Module):
     and the text decoder can answer from any visual token it attends to."""
 
     NUM_CLASSES = len(COLORS) + 2  # background, colours..., ink
-    # class-count of each scene column: count, shape colours, text slots, direction
+    # each scene column (encode.scene_targets) and its class count
+    SCENE_COLUMNS = ("count",) + ("colors",) * len(SHAPES) + ("text",) * TEXT_SLOTS + ("direction",)
     SCENE_GROUPS = ((MAX_COUNT + 1,) + (len(COLORS) + 1,) * len(SHAPES)
                     + (len(TEXT_CHARS) + 1,) * TEXT_SLOTS + (len(DIRECTIONS),))
+    SCENE_WEIGHT = 4.0
 
     def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2):
         super().__init__()
@@ -177,7 +179,6 @@ class VisualTokenProbe(torch.nn.Module):
         self.register_buffer("palette", torch.tensor(list(COLORS.values()), dtype=torch.float32) / 255,
                              persistent=False)
         self.merge, self.patch, self.temporal = merge, patch, temporal
-        self.scene_weight = 4.0
 
     @torch.no_grad()
     def targets(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -226,16 +227,14 @@ class VisualTokenProbe(torch.nn.Module):
 
     def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
              shapes: list[torch.Tensor], grids: list[torch.Tensor],
-             scenes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             scenes: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         features = torch.cat(features).float()
         colours = torch.cat([self.targets(p) for p in pixels])
         where = torch.cat([self.positions(g) for g in grids])
-        total = (torch.nn.functional.cross_entropy(self.head(features), colours)
-                 + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
-                 + 10 * torch.nn.functional.mse_loss(self.position_head(features), where))
-        if scenes is not None:
-            total = total + self.scene_weight * self.scene_loss(features, *scenes)
-        return total
+        return (torch.nn.functional.cross_entropy(self.head(features), colours)
+                + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
+                + 10 * torch.nn.functional.mse_loss(self.position_head(features), where)
+                + self.SCENE_WEIGHT * self.scene_loss(features, *scenes))
 
 
 @torch.no_grad()
@@ -381,8 +380,7 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
     direction (where the scene says), and the per-cell colour head."""
     merged: list[torch.Tensor] = []
     hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
-    names = ["count"] + ["colors"] * len(SHAPES) + ["text"] * TEXT_SLOTS + ["direction"]
-    hits = {name: [0, 0] for name in ["cell_color", *dict.fromkeys(names)]}
+    hits = {name: [0, 0] for name in ["cell_color", *dict.fromkeys(probe.SCENE_COLUMNS)]}
     try:
         for start in range(0, num_samples, batch_size):
             encoded = [encoder.encode(make_sample("eval", i))
@@ -396,8 +394,8 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
             hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
             hits["cell_color"][1] += len(colours)
             classes, _ = batch_scene_targets(encoded)
-            for column, (name, logits) in enumerate(zip(names, probe.scene_head(features).split(
-                    probe.SCENE_GROUPS, dim=-1))):
+            scene_logits = probe.scene_head(features).split(probe.SCENE_GROUPS, dim=-1)
+            for column, (name, logits) in enumerate(zip(probe.SCENE_COLUMNS, scene_logits)):
                 known = classes[:, column] != IGNORE_INDEX
                 hits[name][0] += int((logits.argmax(-1)[known] == classes[known, column]).sum())
                 hits[name][1] += int(known.sum())
