@@ -72,7 +72,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats(kv_cache_capacity_tokens=kv.num_tokens)
         self._finished_ids: set[str] = set()
-        self._num_blocks_sent: dict[str, int] = {}  # blocks the workers know of
+        # Per request: how many leading blocks of its table the workers hold, and
+        # how many trailing blocks they hold that were given back since (rejected
+        # drafts) and must drop before taking new ones.
+        self._num_blocks_sent: dict[str, int] = {}
+        self._num_blocks_to_trim: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
         """Admission control: a request that can never run is an error now."""
@@ -167,9 +171,8 @@ class Scheduler:
     def _cached_request_data(self, request: Request) -> CachedRequestData:
         """What the workers must change in their copy of the block table."""
         block_ids = self.kv.block_ids(request.request_id)
-        sent = self._num_blocks_sent[request.request_id]
-        num_trimmed = max(0, sent - len(block_ids))  # rolled back since last sent
-        kept = sent - num_trimmed
+        kept = self._num_blocks_sent[request.request_id]
+        num_trimmed = self._num_blocks_to_trim.pop(request.request_id, 0)
         self._num_blocks_sent[request.request_id] = len(block_ids)
         return CachedRequestData(request.request_id, block_ids[kept:],
                                  request.num_computed_tokens, num_trimmed)
@@ -197,6 +200,7 @@ class Scheduler:
         self.kv.free(request)
         self.encoder.release_all(request.request_id)
         self._num_blocks_sent.pop(request.request_id, None)
+        self._num_blocks_to_trim.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
@@ -325,7 +329,11 @@ class Scheduler:
         num_rejected = len(drafts) - num_accepted
         if num_rejected > 0:
             request.num_computed_tokens -= num_rejected
-            self.kv.trim(request, request.num_computed_tokens)
+            freed = self.kv.trim(request, request.num_computed_tokens)
+            if freed:  # the workers hold them until the next plan says so
+                rid = request.request_id
+                self._num_blocks_sent[rid] -= len(freed)
+                self._num_blocks_to_trim[rid] = self._num_blocks_to_trim.get(rid, 0) + len(freed)
         self.stats.record_verification(len(drafts), num_accepted)
 
     def _release_consumed_items(self, request: Request) -> None:
@@ -355,6 +363,7 @@ class Scheduler:
         self.kv.free(request)
         self.encoder.release_all(request.request_id)
         self._num_blocks_sent.pop(request.request_id, None)
+        self._num_blocks_to_trim.pop(request.request_id, None)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
         self.stats.finished[status.finish_reason] += 1

@@ -59,6 +59,33 @@ def test_three_accepted_tokens_extend_the_request_and_keep_the_kv_exact():
     assert plan.num_scheduled_tokens == {"a": 1}
 
 
+def test_a_trimmed_block_reallocated_in_the_next_step_reaches_the_workers():
+    """Rejected drafts free a trailing block, which a request scheduled earlier
+    in the next step takes; the next drafts need a block again and get another
+    id. The plan must say both (trim 1, the new id), or the workers' table keeps
+    the freed block and the two requests write each other's KV."""
+    scheduler = make_scheduler(block_size=4)
+    other, request = make_request("b", [30, 31, 32]), make_request("a", [10, 11, 12])
+    scheduler.add_request(other)  # runs ahead of "a" in every step
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    tables = {new.request_id: list(new.block_ids) for new in plan.new_requests}
+    scheduler.update_from_output(plan, ModelRunnerOutput(sampled_token_ids={"b": [33], "a": [13]}))
+    for drafts, runs in (([14, 15, 16, 17], {"b": [34], "a": [20]}),  # all rejected: trim
+                         ([21, 22, 23, 24], {"b": [35], "a": [21, 22, 23, 24, 25]})):
+        request.spec_token_ids = drafts
+        plan = scheduler.schedule()
+        for data in plan.cached_requests:  # what a worker does with the plan
+            table = tables[data.request_id]
+            if data.num_trimmed_blocks:
+                del table[-data.num_trimmed_blocks:]
+            table += data.new_block_ids
+        for rid in ("a", "b"):
+            assert tables[rid] == scheduler.kv.block_ids(rid)
+        assert not set(tables["a"]) & set(tables["b"])
+        scheduler.update_from_output(plan, ModelRunnerOutput(sampled_token_ids=runs))
+
+
 def test_eos_in_the_middle_of_an_accepted_run_cuts_the_run():
     scheduler = make_scheduler(block_size=4)
     request = make_request("a", [10, 11, 12])
