@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from foveal.config import (CacheConfig, EngineConfig, MultimodalConfig, ParallelConfig,
-                           SchedulerConfig, SpeculativeConfig)
+                           SchedulerConfig, SpeculativeConfig, TextConfig)
 from foveal.errors import ConfigError
 
 
@@ -84,15 +84,17 @@ class EngineArgs:
                                         mm_processor_kwargs=dict(self.mm_processor_kwargs),
                                         processor_cache_size=self.processor_cache_size),
             parallel=parallel,
-            speculative=self._speculative_config(max_model_len),
+            speculative=self._speculative_config(max_model_len, model_config.text),
             dtype=dtype,
             device=device,
             load_format=self.load_format,
             seed=self.seed,
         )
 
-    def _speculative_config(self, max_model_len: int) -> SpeculativeConfig | None:
-        from foveal.worker.spec_decode import get_proposer_class
+    def _speculative_config(self, max_model_len: int, text: TextConfig
+                            ) -> SpeculativeConfig | None:
+        from foveal.loader.eagle_config import load_eagle_config
+        from foveal.worker.spec_decode import get_proposer_class, uses_draft_model
 
         options = self.speculative_config
         if not options:
@@ -115,6 +117,10 @@ class EngineArgs:
             raise ConfigError(f"prompt_lookup_min={config.prompt_lookup_min} and "
                               f"prompt_lookup_max={config.prompt_lookup_max}; use "
                               "1 <= prompt_lookup_min <= prompt_lookup_max")
+        if uses_draft_model(config.method):
+            load_eagle_config(config.method, config.model, text)  # ConfigError if it does not fit
+        elif config.model is not None:
+            raise ConfigError(f"speculative method {config.method!r} takes no draft 'model'")
         return config
 
     def _parallel_config(self) -> ParallelConfig:

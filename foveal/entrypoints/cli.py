@@ -16,6 +16,7 @@ _SUBCOMMANDS = (
     "foveal.bench.cli",
     "foveal.loader.tiny_model",
     "foveal.demo_model.cli",
+    "foveal.eagle_train.cli",
     "foveal.stages.cli",
 )
 

@@ -12,7 +12,7 @@ import glob
 import json
 import os
 import zlib
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,9 @@ from foveal.errors import CheckpointError, ConfigError
 from foveal.layers.linear import default_weight_loader
 from foveal.loader.kv_scales import KVScaleCollector, is_kv_scale
 from foveal.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from foveal.loader.eagle_config import EagleConfig
 
 _MAX_NAMES_SHOWN = 8
 
@@ -175,3 +178,55 @@ def build_dummy_model(hf_config: dict, seed: int = 0, device: str = "cpu",
                                  MultimodalConfig(), dtype=dtype, device=device,
                                  load_format="dummy", seed=seed)
     return load_model(engine_config)
+
+
+def load_draft_head(config: "EagleConfig", target: nn.Module, device: str, dtype: str) -> nn.Module:
+    """An EAGLE head (config: loader.eagle_config.EagleConfig) with its checkpoint's
+    weights; the embeddings and LM head it lacks are the target's."""
+    from foveal.models.eagle import EagleHead
+
+    names = set()
+    for file in checkpoint_files(config.path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(name.removeprefix("model.") for name in f.keys())
+    own_embeddings = "embed_tokens.weight" in names
+    own_lm_head = "lm_head.weight" in names
+    target_hidden = target.config.text.hidden_size
+    if not own_embeddings and config.hidden_size != target_hidden:
+        raise CheckpointError(f"draft head {config.path} has no embed_tokens and its hidden "
+                              f"size {config.hidden_size} differs from the target's "
+                              f"{target_hidden}, so it cannot share the target's embeddings")
+    if not own_lm_head and config.draft_vocab_size != config.vocab_size:
+        raise CheckpointError(f"draft head {config.path} has a draft vocabulary of "
+                              f"{config.draft_vocab_size} but no lm_head")
+    with _default_dtype(getattr(torch, dtype)), torch.device(device):
+        head = EagleHead(config, own_embeddings, own_lm_head, fc_bias="fc.bias" in names)
+    params = dict(head.named_parameters())
+    loaded, unexpected = set(), []
+    for hf_name, tensor in iterate_checkpoint(config.path):
+        base = hf_name.removeprefix("model.")
+        if base == "d2t":
+            head.d2t.copy_(tensor.long())
+            continue
+        if base in head.ignored_weights or (not config.is_eagle3
+                                            and base.endswith("input_layernorm.weight")):
+            continue  # EAGLE-1 runs its layer without an input norm
+        name, shard_id = _map_name(head, hf_name)
+        param = params.get(name) if name else None
+        if param is None:
+            unexpected.append(hf_name)
+            continue
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor.to(param.dtype),
+                                                               shard_id)
+        loaded.add(name)
+    if unexpected:
+        raise CheckpointError(f"draft head {config.path} holds weights an {config.method} head "
+                              f"does not have: {_names(unexpected)}")
+    missing = set(params) - loaded
+    if missing:
+        raise CheckpointError(f"draft head {config.path} lacks weights: {_names(missing)}")
+    target_ids = torch.arange(config.draft_vocab_size, device=head.d2t.device) + head.d2t
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
+        raise CheckpointError(f"draft head {config.path}: d2t maps draft ids outside the "
+                              f"target vocabulary [0, {config.vocab_size})")
+    return head.eval()

@@ -73,11 +73,21 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(T, hidden), positions (3, T) or (T,) -> (T, hidden)."""
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """(T, hidden), positions (3, T) or (T,) -> (T, hidden).
+
+        aux_layers: also return the inputs of these layers (the residual stream,
+        what EAGLE-3 heads read), concatenated: (T, len(aux_layers) * hidden)."""
         hidden_states, residual = inputs_embeds, None
         rope = self.layers[0].self_attn.rotary_emb.cos_sin(positions)  # same for every layer
-        for layer in self.layers:
+        aux = {}
+        for index, layer in enumerate(self.layers):
+            if index in aux_layers:
+                aux[index] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(hidden_states, rope, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        if aux_layers:
+            return hidden_states, torch.cat([aux[i] for i in aux_layers], dim=-1)
         return hidden_states

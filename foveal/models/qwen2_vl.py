@@ -102,8 +102,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         pixels = torch.cat([_pixels(f) for f in features]).to(device)  # (N, C*T*P*P)
         return list(self.visual(pixels, grids).split(sizes))
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions)
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                aux_layers: tuple[int, ...] = ()):
+        """-> hidden states (T, hidden); with aux_layers, also those layers' inputs."""
+        return self.language_model(inputs_embeds, positions, aux_layers)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()  # (N, vocab)

@@ -23,7 +23,9 @@ from foveal.sampling_params import SamplingParams
 from foveal.worker.encoder_connector import EncoderConnectorWorker
 from foveal.worker.encoder_runner import EncoderCache
 from foveal.worker.kv_offload import KVOffloadWorker
+from foveal.worker.device import torch_dtype
 from foveal.worker.sampler import Sampler, request_generator
+from foveal.worker.spec_decode.eagle import EagleProposer
 from foveal.worker.step_sampling import StepSampling
 
 
@@ -66,7 +68,9 @@ class Batch:
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model: torch.nn.Module,
                  kv_caches: KVCaches, kv_offload: KVOffloadWorker | None = None,
-                 encoder_connector: EncoderConnectorWorker | None = None) -> None:
+                 encoder_connector: EncoderConnectorWorker | None = None,
+                 draft_head: torch.nn.Module | None = None) -> None:
+        """draft_head: the EAGLE head the worker loaded when the engine speculates with one."""
         self.config = engine_config
         self.model = model
         self.kv_caches = kv_caches
@@ -78,7 +82,14 @@ class ModelRunner:
         self.kv_offload = kv_offload
         self.encoder_connector = encoder_connector
         self.sampling = StepSampling(model, Sampler(engine_config.seed, self.device),
-                                     engine_config.speculative)
+                                     engine_config.speculative,
+                                     with_token_proposer=draft_head is None)
+        self.drafter = None
+        if draft_head is not None:
+            self.drafter = EagleProposer(
+                engine_config.speculative, draft_head, model, kv_caches.num_blocks,
+                self.block_size, engine_config.scheduler.max_num_seqs, self.device,
+                torch_dtype(engine_config.dtype))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, mm_payloads: dict[str, dict] | None = None
@@ -103,12 +114,18 @@ class ModelRunner:
             return output
         batch = self._prepare_batch(scheduled)
         inputs_embeds = self._embed(batch, scheduled)  # (T, hidden)
+        aux_layers = self.drafter.aux_layers if self.drafter is not None else ()
         with forward_context(batch.attn_metadata, self.kv_caches.layers, self.kv_caches.scales):
-            hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)
+            if aux_layers:  # features (T, 3 * hidden): the inputs of the layers EAGLE-3 reads
+                hidden_states, features = self.model(inputs_embeds, batch.positions, aux_layers)
+            else:
+                hidden_states = features = self.model(inputs_embeds, batch.positions)  # (T, hidden)
         for item in scheduled:
             item.state.num_computed_tokens += item.num_new_tokens
         if batch.sampled:
             self.sampling.sample(hidden_states[batch.logits_indices], batch.sampled, output)
+        if self.drafter is not None:
+            self.drafter.propose(batch, scheduled, features, output)
         return output
 
     def _update_states(self, plan: StepPlan) -> None:

@@ -20,11 +20,14 @@ if TYPE_CHECKING:
 
 class StepSampling:
     def __init__(self, model: torch.nn.Module, sampler: Sampler,
-                 speculative: SpeculativeConfig | None) -> None:
+                 speculative: SpeculativeConfig | None, with_token_proposer: bool = True) -> None:
+        """with_token_proposer: draft from the tokens here (n-gram); False when a
+        draft model proposes after the step (EAGLE, in the model runner)."""
         self.model = model
         self.sampler = sampler
         self.speculative = speculative
-        self.proposer = build_proposer(speculative) if speculative is not None else None
+        self.proposer = (build_proposer(speculative)
+                         if speculative is not None and with_token_proposer else None)
 
     def sample(self, hidden_states: torch.Tensor, sampled: list["ScheduledRequest"],
                output: ModelRunnerOutput) -> None:

@@ -15,9 +15,11 @@ from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
 from foveal.layers.attention.kv_spec import KVCacheSpec
 from foveal.layers.linear import prepack_weights
+from foveal.worker.device import torch_dtype
 from foveal.worker.kv_cache import available_kv_memory, kv_cache_spec
 from foveal.worker.kv_offload import KVOffloadWorker
 from foveal.worker.model_runner import ModelRunner
+from foveal.worker.spec_decode.eagle import draft_cache_block_bytes
 
 
 class Worker:
@@ -29,6 +31,7 @@ class Worker:
         self.rank = rank
         self.encoder_connector = encoder_connector
         self.model = None
+        self.draft_head = None
         self.model_runner: ModelRunner | None = None
         self.kv_cache_spec: KVCacheSpec = kv_cache_spec(
             engine_config.model, engine_config.cache, engine_config.dtype, get_tp_size())
@@ -37,12 +40,33 @@ class Worker:
         from foveal.loader.weights import load_model
 
         self.model = load_model(self.config)
+        self.draft_head = self._load_draft_head()
         prepack_weights(self.model)  # CPU fp32: oneDNN-blocked GEMM weights
+        if self.draft_head is not None:
+            prepack_weights(self.draft_head)
+
+    def _load_draft_head(self):
+        """The EAGLE head of speculative_config, or None."""
+        from foveal.worker.spec_decode import uses_draft_model
+
+        spec = self.config.speculative
+        if spec is None or not uses_draft_model(spec.method):
+            return None
+        from foveal.loader.eagle_config import load_eagle_config
+        from foveal.loader.weights import load_draft_head
+
+        head_config = load_eagle_config(spec.method, spec.model, self.config.model.text)
+        return load_draft_head(head_config, self.model, self.config.device, self.config.dtype)
 
     def determine_num_blocks(self) -> int:
         """Blocks this rank's memory holds; call after load_model, so free
         device memory already excludes the weights."""
         memory_bytes = available_kv_memory(self.config.cache, self.config.device)
+        if self.draft_head is not None:  # the head's KV shares the pool's block ids
+            block = self.kv_cache_spec.block_bytes
+            draft = draft_cache_block_bytes(self.draft_head, self.kv_cache_spec.block_size,
+                                            torch_dtype(self.config.dtype))
+            memory_bytes = memory_bytes * block // (block + draft)
         return self.kv_cache_spec.num_blocks_for(memory_bytes,
                                                  self.config.scheduler.max_model_len)
 
@@ -54,7 +78,7 @@ class Worker:
         kv_offload = (KVOffloadWorker.from_config(self.config.cache, kv_caches)
                       if self.config.cache.kv_offload else None)
         self.model_runner = ModelRunner(self.config, self.model, kv_caches, kv_offload,
-                                        self.encoder_connector)
+                                        self.encoder_connector, self.draft_head)
 
     def execute(self, plan: StepPlan, mm_payloads: dict[str, dict] | None = None
                 ) -> ModelRunnerOutput:
@@ -66,3 +90,4 @@ class Worker:
         """Drop the model and the KV cache so their memory can be reused."""
         self.model_runner = None
         self.model = None
+        self.draft_head = None

@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram) end to end: greedy outputs token-identical to
-decoding without it, with images, chunked prefill, prefix-cache hits,
-preemption, quantized KV and stop strings inside a draft; every block returned
-after rejections; the per-request opt-out; metrics; bad configurations."""
+"""Speculative decoding end to end, n-gram and EAGLE-3 (a head trained here by
+`train_eagle` on the tiny model): greedy outputs token-identical to decoding
+without it, with images, chunked prefill, prefix-cache hits, preemption,
+quantized KV and stop strings inside a draft; every block returned after
+rejections; the per-request opt-out; metrics; bad configurations."""
 from __future__ import annotations
 
 import pytest
@@ -19,10 +20,29 @@ def checkpoint(tiny_checkpoints) -> str:
     return tiny_checkpoints("tiny-qwen2-vl")
 
 
-def make_llm(checkpoint: str, speculative: bool, **kwargs) -> LLM:
+@pytest.fixture(scope="module")
+def eagle_head(checkpoint, tmp_path_factory) -> str:
+    """An EAGLE-3 head trained for the tiny model on its own answers (seconds)."""
+    from foveal.eagle_train.train import EagleTrainConfig, train_eagle
+
+    out = tmp_path_factory.mktemp("eagle3-head")
+    train_eagle(checkpoint, out, EagleTrainConfig(num_prompts=16, max_tokens=32, steps=80,
+                                                  batch_size=4, draft_vocab_size=384))
+    return str(out)
+
+
+@pytest.fixture(scope="module", params=["ngram", "eagle3"])
+def speculative(request) -> dict:
+    if request.param == "ngram":
+        return NGRAM
+    return {"method": "eagle3", "num_speculative_tokens": 3,
+            "model": request.getfixturevalue("eagle_head")}
+
+
+def make_llm(checkpoint: str, speculative: dict | None, **kwargs) -> LLM:
     options = dict(max_model_len=512, kv_cache_memory_bytes=1 << 21, max_num_batched_tokens=256)
     if speculative:
-        options["speculative_config"] = NGRAM
+        options["speculative_config"] = speculative
     return LLM(model=checkpoint, **{**options, **kwargs})
 
 
@@ -49,7 +69,7 @@ def assert_all_blocks_returned(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def expected(checkpoint) -> list[list[int]]:
-    return tokens(make_llm(checkpoint, False).chat(conversations(), GREEDY, use_tqdm=False))
+    return tokens(make_llm(checkpoint, None).chat(conversations(), GREEDY, use_tqdm=False))
 
 
 @pytest.mark.parametrize("options", [
@@ -57,11 +77,11 @@ def expected(checkpoint) -> list[list[int]]:
     {"max_num_batched_tokens": 16},  # chunked prefill through the images
     {"kv_cache_dtype": "int8"},
 ], ids=["batch", "chunked", "int8-kv"])
-def test_greedy_tokens_are_identical_with_speculation(checkpoint, expected, options):
+def test_greedy_tokens_are_identical_with_speculation(checkpoint, speculative, expected, options):
     if options.get("kv_cache_dtype"):
-        expected = tokens(make_llm(checkpoint, False, **options).chat(
+        expected = tokens(make_llm(checkpoint, None, **options).chat(
             conversations(), GREEDY, use_tqdm=False))
-    llm = make_llm(checkpoint, True, **options)
+    llm = make_llm(checkpoint, speculative, **options)
     outputs = llm.chat(conversations(), GREEDY, use_tqdm=False)
     assert tokens(outputs) == expected
     assert metric(llm, "spec_decode_num_accepted_tokens_total") > 0
@@ -73,12 +93,15 @@ def test_greedy_tokens_are_identical_with_speculation(checkpoint, expected, opti
         assert len(output.outputs[0].logprobs) == len(output.outputs[0].token_ids)
 
 
-def test_preemption_and_prefix_hits_keep_the_tokens(checkpoint):
+def test_preemption_and_prefix_hits_keep_the_tokens(checkpoint, speculative):
     longer = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    small = dict(max_model_len=160, kv_cache_memory_bytes=14 * 8192)
-    expected = tokens(make_llm(checkpoint, False, **small).chat(conversations(), longer,
+    small = dict(max_model_len=160, kv_cache_memory_bytes=14 * 8192)  # 14 blocks
+    expected = tokens(make_llm(checkpoint, None, **small).chat(conversations(), longer,
                                                                 use_tqdm=False))
-    llm = make_llm(checkpoint, True, **small)
+    if speculative["method"] == "eagle3":  # the head's KV takes 1/3 of the budget here
+        small["kv_cache_memory_bytes"] = 21 * 8192
+    llm = make_llm(checkpoint, speculative, **small)
+    assert llm.llm_engine.core.scheduler.kv.num_blocks == 14
     assert tokens(llm.chat(conversations(), longer, use_tqdm=False)) == expected
     assert metric(llm, "num_preemptions_total") > 0
     assert tokens(llm.chat(conversations(), longer, use_tqdm=False)) == expected  # prefix hits
@@ -100,14 +123,14 @@ def run_stop(outputs, tokenizer) -> tuple[int, str]:
     raise AssertionError("no repeated run to stop in")
 
 
-def test_stop_string_inside_an_accepted_draft_ends_the_output_there(checkpoint):
-    plain = make_llm(checkpoint, False)
+def test_stop_string_inside_an_accepted_draft_ends_the_output_there(checkpoint, speculative):
+    plain = make_llm(checkpoint, None)
     index, stop = run_stop(plain.chat(conversations(), GREEDY, use_tqdm=False),
                            plain.get_tokenizer())
     conversation = conversations()[index:index + 1]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
     without = plain.chat(conversation, params, use_tqdm=False)[0].outputs[0]
-    llm = make_llm(checkpoint, True)
+    llm = make_llm(checkpoint, speculative)
     with_spec = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0]
     assert without.finish_reason == "stop" and without.stop_reason == stop
     assert (with_spec.text, with_spec.token_ids, with_spec.finish_reason) == \
@@ -116,24 +139,26 @@ def test_stop_string_inside_an_accepted_draft_ends_the_output_there(checkpoint):
     assert_all_blocks_returned(llm)
 
 
-def test_request_that_opts_out_gets_no_drafts(checkpoint, expected):
-    llm = make_llm(checkpoint, True)
+def test_request_that_opts_out_gets_no_drafts(checkpoint, speculative, expected):
+    llm = make_llm(checkpoint, speculative)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                             speculative_decoding=False)
     assert tokens(llm.chat(conversations(), params, use_tqdm=False)) == expected
     assert metric(llm, "spec_decode_num_draft_tokens_total") == 0
 
 
-def test_sampling_with_speculation_runs_seeded_and_reproducibly(checkpoint):
+def test_sampling_with_speculation_runs_seeded_and_reproducibly(checkpoint, speculative):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True, seed=3)
-    first = tokens(make_llm(checkpoint, True).chat(conversations(), params, use_tqdm=False))
-    again = tokens(make_llm(checkpoint, True).chat(conversations(), params, use_tqdm=False))
+    first = tokens(make_llm(checkpoint, speculative).chat(conversations(), params, use_tqdm=False))
+    again = tokens(make_llm(checkpoint, speculative).chat(conversations(), params, use_tqdm=False))
     assert first == again and all(len(t) == 30 for t in first)
 
 
 @pytest.mark.parametrize("config, message", [
     ({"method": "lookahead"}, "unknown"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "not available"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "needs a draft head"),
+    ({"method": "eagle3", "model": "/nonexistent"}, "no config.json"),
+    ({"method": "ngram", "model": "/some/head"}, "takes no draft"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 4096}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"),

@@ -8,7 +8,7 @@ import torch
 from foveal.config import SpeculativeConfig
 from foveal.errors import ConfigError
 from foveal.sampling_params import SamplingParams
-from foveal.worker.spec_decode import build_proposer, get_proposer_class
+from foveal.worker.spec_decode import build_proposer, get_proposer_class, uses_draft_model
 from foveal.worker.spec_decode.verify import verify_greedy, verify_sampled
 
 
@@ -36,11 +36,12 @@ def test_ngram_without_a_match_or_below_min_proposes_nothing():
     assert ngram().propose([1], 3) == [] and ngram().propose([1, 1], 0) == []
 
 
-def test_unknown_and_unbuilt_methods_are_config_errors():
+def test_unknown_methods_are_config_errors_and_eagle_methods_use_a_draft_model():
     with pytest.raises(ConfigError, match="unknown"):
         get_proposer_class("medusa-x")
-    with pytest.raises(ConfigError, match="not available"):
-        get_proposer_class("eagle")
+    for method in ("eagle", "eagle3"):
+        assert get_proposer_class(method).reads_hidden_states and uses_draft_model(method)
+    assert not uses_draft_model("ngram")
 
 
 def test_greedy_verification_keeps_the_agreeing_prefix_plus_the_target_token():

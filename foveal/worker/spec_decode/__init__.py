@@ -13,10 +13,14 @@ from foveal.config import SpeculativeConfig
 from foveal.errors import ConfigError
 from foveal.lazy_import import resolve
 
-# method -> "module:Class"
-_PROPOSERS: dict[str, str] = {"ngram": "foveal.worker.spec_decode.ngram:NgramProposer"}
-# methods the speculative_config spelling knows that are not built here yet
-_PLANNED = ("eagle", "eagle3")
+# method -> "module:Class". A class with reads_hidden_states = True is a draft
+# model the model runner drives after the target's forward (EAGLE heads); the
+# others propose from a request's tokens (Proposer below).
+_PROPOSERS: dict[str, str] = {
+    "ngram": "foveal.worker.spec_decode.ngram:NgramProposer",
+    "eagle": "foveal.worker.spec_decode.eagle:EagleProposer",
+    "eagle3": "foveal.worker.spec_decode.eagle:EagleProposer",
+}
 
 
 class Proposer(Protocol):
@@ -30,10 +34,12 @@ def proposer_names() -> list[str]:
     return sorted(_PROPOSERS)
 
 
+def uses_draft_model(method: str) -> bool:
+    """Whether `method` drafts with a model that reads the target's hidden states."""
+    return method in ("eagle", "eagle3")
+
+
 def get_proposer_class(method: str) -> type:
-    if method in _PLANNED and method not in _PROPOSERS:
-        raise ConfigError(f"speculative method {method!r} is not available in this build; "
-                          f"use one of {proposer_names()}")
     if method not in _PROPOSERS:
         raise ConfigError(f"speculative method {method!r} is unknown; use one of "
                           f"{proposer_names()}")

@@ -1,0 +1,102 @@
+"""Training data for an EAGLE head: the target's own greedy answers to image
+and video prompts, with the features the head reads, recorded from Foveal's
+own forward passes (the numerics the head sees when serving).
+
+The prompts are the demo tasks' train split (foveal/demo_model/tasks.py):
+images, multi-image comparisons and clips with questions, through the
+target's chat template. The engine runs one request at a time with neither
+chunking nor prefix caching, so each forward belongs to one request: its
+prompt, then one generated token per decode step. Hooks on the text decoder
+record the three auxiliary layers' inputs and the positions of every row.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("foveal")
+
+
+@dataclass
+class Sequence:
+    token_ids: torch.Tensor  # (T,) prompt (placeholders expanded) + generated answer
+    features: torch.Tensor  # (T - 1, 3 * hidden) aux-layer inputs at positions 0..T-2
+    positions: torch.Tensor  # (A, T) the target's position ids (A = 3 for M-RoPE)
+    answer_start: int  # index of the first generated token
+
+
+class FeatureRecorder:
+    """Forward hooks on a Foveal text decoder: positions and aux-layer inputs per forward."""
+
+    def __init__(self, decoder: torch.nn.Module, aux_layers: tuple[int, ...]) -> None:
+        self.aux_layers = aux_layers
+        self.forwards: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._current: dict = {}
+        self._handles = [decoder.register_forward_pre_hook(self._on_decoder)]
+        self._handles += [decoder.layers[i].register_forward_pre_hook(self._on_layer(i))
+                          for i in sorted(set(aux_layers))]
+        self._handles.append(decoder.register_forward_hook(self._on_decoder_done))
+
+    def _on_decoder(self, _module, args) -> None:
+        self._current = {"positions": args[1].detach().clone()}
+
+    def _on_layer(self, index: int):
+        def hook(_module, args) -> None:
+            hidden, residual = args[0], args[2]
+            value = hidden if residual is None else hidden + residual
+            self._current[index] = value.detach().float().clone()
+        return hook
+
+    def _on_decoder_done(self, _module, _args, _output) -> None:
+        aux = torch.cat([self._current[i] for i in self.aux_layers], dim=-1)
+        self.forwards.append((self._current["positions"], aux))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def generate_sequences(target: str, aux_layers: tuple[int, ...], num_prompts: int,
+                       max_tokens: int, ignore_eos: bool, start: int = 0) -> list[Sequence]:
+    """Greedy answers of the target to `num_prompts` task prompts, with features."""
+    from tqdm import tqdm
+
+    from foveal import LLM, SamplingParams
+    from foveal.demo_model.tasks import make_sample
+
+    from foveal.loader.hf_config import model_config_from_hf
+
+    max_len = min(8192, model_config_from_hf(target).text.max_position_embeddings)
+    llm = LLM(model=target, max_num_seqs=1, enable_prefix_caching=False,
+              max_num_batched_tokens=max_len, max_model_len=max_len)
+    decoder = llm.llm_engine.executor.driver_worker.model.language_model
+    recorder = FeatureRecorder(decoder, aux_layers)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    sequences = []
+    try:
+        for index in tqdm(range(start, start + num_prompts), desc="self-generated answers",
+                          dynamic_ncols=True):
+            recorder.forwards.clear()
+            sample = make_sample("train", index)
+            output = llm.chat(sample.messages(), params, use_tqdm=False)[0]
+            sequences.append(_sequence(output, recorder.forwards))
+    finally:
+        recorder.close()
+        llm.shutdown()
+    return sequences
+
+
+def _sequence(output, forwards: list[tuple[torch.Tensor, torch.Tensor]]) -> Sequence:
+    prompt = list(output.prompt_token_ids)
+    answer = list(output.outputs[0].token_ids)
+    token_ids = torch.tensor(prompt + answer, dtype=torch.long)
+    positions = torch.cat([p.reshape(-1, p.shape[-1]) for p, _ in forwards], dim=-1)
+    features = torch.cat([aux for _, aux in forwards])
+    expected = len(token_ids) - 1  # the last token is sampled, never fed
+    if features.shape[0] != expected:
+        raise RuntimeError(f"recorded {features.shape[0]} feature rows for a sequence of "
+                           f"{len(token_ids)} tokens; expected {expected}")
+    positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)  # the last token's
+    return Sequence(token_ids, features.to(torch.float16), positions, len(prompt))
