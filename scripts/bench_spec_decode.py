@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
     methods = {"none": None,
@@ -60,7 +61,8 @@ def main() -> None:
                "eagle3": {"method": "eagle3", "num_speculative_tokens": args.k,
                           "model": args.eagle}}
     engines = {name: LLM(model=args.model, speculative_config=spec,
-                         kv_cache_memory_bytes=256 << 20) for name, spec in methods.items()}
+                         kv_cache_memory_bytes=256 << 20, max_model_len=args.max_model_len)
+               for name, spec in methods.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for workload, conversations in workloads(8).items():

@@ -82,6 +82,7 @@ class SweepPlan:
     frames: tuple[int, ...] = (8, 4, 2, 1)
     kv_dtypes: tuple[str, ...] = ("auto", "int8", "fp8_e4m3", "int4")
     num_speculative_tokens: int = 3
+    eagle_head: str | None = None  # an EAGLE-3 head for the target: one more speculative point
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,10 +133,15 @@ def _kv_cache(plan: SweepPlan) -> list[SweepPoint]:
 
 
 def _speculative(plan: SweepPlan) -> list[SweepPoint]:
-    ngram = {"method": "ngram", "num_speculative_tokens": plan.num_speculative_tokens}
-    return [SweepPoint("speculative", "none", TASKS, engine={"speculative_config": None}),
-            SweepPoint("speculative", f"ngram k={plan.num_speculative_tokens}", TASKS,
-                       engine={"speculative_config": ngram})]
+    k = plan.num_speculative_tokens
+    points = [SweepPoint("speculative", "none", TASKS, engine={"speculative_config": None}),
+              SweepPoint("speculative", f"ngram k={k}", TASKS, engine={"speculative_config": {
+                  "method": "ngram", "num_speculative_tokens": k}})]
+    if plan.eagle_head:
+        points.append(SweepPoint("speculative", f"eagle3 k={k}", TASKS, engine={
+            "speculative_config": {"method": "eagle3", "num_speculative_tokens": k,
+                                   "model": str(plan.eagle_head)}}))
+    return points
 
 
 SERIES: dict[str, Callable[[SweepPlan], list[SweepPoint]]] = {
@@ -326,7 +332,7 @@ def run_bench_sweep(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, max_pixels=args.max_pixels, budgets=args.budgets,
                      frames=args.frames, kv_dtypes=args.kv_dtypes,
                      num_speculative_tokens=args.num_speculative_tokens,
-                     engine_kwargs=engine_kwargs(args))
+                     eagle_head=args.eagle_head, engine_kwargs=engine_kwargs(args))
     machine = machine_info()
     print(f"model: {model_dir}; {len(plan.points())} points; machine: {machine['cpu_model']}",
           flush=True)
@@ -369,7 +375,9 @@ def register_sweep(bench_commands) -> None:
     dials.add_argument("--kv-dtypes", type=_name_list, default=SweepPlan.kv_dtypes,
                        help="kv_cache series, comma-separated")
     dials.add_argument("--num-speculative-tokens", type=int, default=3,
-                       help="speculative series: n-gram draft length")
+                       help="speculative series: draft length")
+    dials.add_argument("--eagle-head", metavar="DIR",
+                       help="speculative series: also an EAGLE-3 head (foveal train-eagle)")
     parser.add_argument("--output", metavar="JSON", help="write every number here")
     parser.add_argument("--plot", metavar="PNG", help="one panel per series (needs matplotlib)")
     add_engine_args(parser)

@@ -8,7 +8,7 @@ def _train(args: argparse.Namespace) -> int:
     from foveal.eagle_train.train import EagleTrainConfig, train_eagle
 
     names = ("num_prompts", "max_tokens", "steps", "batch_size", "unroll", "lr",
-             "draft_vocab_size", "intermediate_size", "seed")
+             "draft_vocab_size", "intermediate_size", "seed", "device")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.stop_at_eos:
         given["ignore_eos"] = False
@@ -42,4 +42,6 @@ def register(subparsers) -> None:
     parser.add_argument("--intermediate-size", type=int,
                         help="the head's MLP width (default: the target's)")
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--device", help="where the head trains (default: cuda when present, "
+                                         "else cpu); the target runs on the engine's device")
     parser.set_defaults(func=_train)

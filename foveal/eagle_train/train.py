@@ -44,6 +44,7 @@ class EagleTrainConfig:
     intermediate_size: int | None = None  # default: the target's
     seed: int = 0
     eval_fraction: float = 0.1
+    device: str | None = None  # default: cuda when present, else cpu
 
 
 def head_config(target: str, cfg: EagleTrainConfig, draft_vocab_size: int) -> EagleConfig:
@@ -74,15 +75,17 @@ def draft_vocabulary(sequences: list[Sequence], vocab_size: int, size: int) -> t
 def sequence_loss(graph: Eagle3Graph, seq: Sequence, embed: torch.nn.Module,
                   t2d_index: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Mean cross-entropy over the unrolled drafts; per step (correct, counted)."""
-    tokens = seq.token_ids
+    device = t2d_index.device
+    tokens = seq.token_ids.to(device)
     n = len(tokens) - 1  # lineages: positions with a feature and a next token
     embeds = embed(tokens[1:])  # (T-1, H): input token of position p is token p+1
     extra = unroll - 1  # chain inputs past the end: computed, then masked below
     embeds = torch.cat([embeds, embeds[-1:].expand(extra, -1)])  # (n + extra, H)
-    beyond = seq.positions[:, -1:] + torch.arange(1, extra + 1)  # (A, extra)
-    positions = torch.cat([seq.positions, beyond], dim=-1)[:, :n + extra]
-    logits = graph.unroll(seq.features.float(), embeds, positions, unroll)
-    rows = torch.arange(n)
+    known = seq.positions.to(device)
+    beyond = known[:, -1:] + torch.arange(1, extra + 1, device=device)  # (A, extra)
+    positions = torch.cat([known, beyond], dim=-1)[:, :n + extra]
+    logits = graph.unroll(seq.features.to(device).float(), embeds, positions, unroll)
+    rows = torch.arange(n, device=device)
     losses, stats = [], []
     for step, step_logits in enumerate(logits):
         label_index = rows + step + 2  # the token this row predicts
@@ -121,9 +124,14 @@ def train_eagle(target: str, out: str | Path, cfg: EagleTrainConfig) -> Path:
     graph = Eagle3Graph(head_config(target, cfg, len(vocab)))
     embedding, lm_head = _target_embedding_and_head(iterate_checkpoint(target), text)
     graph.set_draft_vocab(vocab, lm_head)
-    embed = torch.nn.Embedding.from_pretrained(embedding, freeze=True)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    graph.to(device)
+    embed = torch.nn.Embedding.from_pretrained(embedding, freeze=True).to(device)
     t2d_index = torch.full((text.vocab_size,), -1, dtype=torch.long)
     t2d_index[vocab] = torch.arange(len(vocab))
+    t2d_index = t2d_index.to(device)
+    logger.info("train-eagle: EAGLE-3 head of %.2fM parameters on %s, draft vocabulary %d",
+                sum(p.numel() for p in graph.parameters()) / 1e6, device, len(vocab))
     split = max(1, int(len(sequences) * cfg.eval_fraction))
     evals, trains = sequences[:split], sequences[split:]
     optimizer = torch.optim.AdamW(graph.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -152,7 +160,7 @@ def train_eagle(target: str, out: str | Path, cfg: EagleTrainConfig) -> Path:
             bar.write(f"step {step + 1}: loss {loss_ema:.3f}, held-out draft accuracy per "
                       f"position {[round(a, 3) for a in accuracy]}")
     bar.close()
-    save_head(graph, out)
+    save_head(graph.cpu(), out)
     (out / "train_eagle.json").write_text(json.dumps(
         {"target": str(target), "config": asdict(cfg), "history": history}, indent=2))
     return out

@@ -69,6 +69,16 @@ def test_points_that_resolve_to_the_same_engine_share_one_llm():
     assert sorted(i for _, indices in groups for i in indices) == list(range(len(PLAN.points())))
 
 
+def test_an_eagle_head_adds_a_speculative_point_with_its_own_engine():
+    plan = SweepPlan(model_dir=Path("unused"), series=("speculative",), eagle_head="HEAD")
+    points = plan.points()
+    assert [p.label for p in points] == ["none", "ngram k=3", "eagle3 k=3"]
+    assert points[2].engine["speculative_config"] == {
+        "method": "eagle3", "num_speculative_tokens": 3, "model": "HEAD"}
+    base = base_engine_kwargs({"kv_cache_dtype": "auto", "speculative_config": None})
+    assert len(_engine_groups(base, points)) == 3
+
+
 def test_series_option_picks_series_in_the_given_order():
     plan = SweepPlan(model_dir=Path("unused"), series=("frames", "detail"))
     assert [p.series for p in plan.points()] == ["frames"] * 4 + ["detail"] * 3

@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 
 def draft_cache_block_bytes(head: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block of the head's KV takes (keys and values, one layer)."""
-    config = head.config
-    return 2 * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    """Bytes one block of the head's KV takes on this rank (keys and values, one layer)."""
+    attn = head.layer.attn  # this rank's KV heads: tensor parallelism shards them
+    return 2 * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
 
 
 class EagleProposer:
@@ -51,10 +51,10 @@ class EagleProposer:
         self.num_blocks = num_blocks
         self.device = device
         self.scratch_per_request = -(-self.num_tokens // block_size) + 1
-        head_config = head.config
+        attn = head.layer.attn  # this rank's share of the KV heads
         total = num_blocks + max_num_seqs * self.scratch_per_request
-        self.kv_cache = torch.zeros(2, total, block_size, head_config.num_key_value_heads,
-                                    head_config.head_dim, dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(2, total, block_size, attn.num_kv_heads, attn.head_dim,
+                                    dtype=dtype, device=device)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
