@@ -91,8 +91,10 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     # Executor name in foveal.executor's registry: "uni" runs the one worker in
-    # the engine's own process.
+    # the engine's own process; "mp" one process per rank.
     distributed_executor_backend: str = "uni"
+    # A collective that waits longer than this (a rank hung or died) fails the engine.
+    collective_timeout_s: float = 60.0
 
     @property
     def world_size(self) -> int:

@@ -5,9 +5,10 @@ configuration, so every entrypoint spells options the same way.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
-from foveal.config import (CacheConfig, EngineConfig, MultimodalConfig, ParallelConfig,
+from foveal.config import (CacheConfig, EngineConfig, ModelConfig, MultimodalConfig, ParallelConfig,
                            SchedulerConfig, SpeculativeConfig, TextConfig)
 from foveal.errors import ConfigError
 
@@ -63,6 +64,7 @@ class EngineArgs:
                 f"max_position_embeddings={model_config.text.max_position_embeddings}")
         kv_cache_dtype = self._check_cache_options()
         parallel = self._parallel_config()
+        self._check_tensor_parallel(parallel.tensor_parallel_size, model_config, device)
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
         dtype = resolve_dtype(self.dtype, device)
         return EngineConfig(
@@ -129,15 +131,46 @@ class EngineArgs:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"tensor_parallel_size={size!r}; use a positive int (-tp N)")
-        backend = self.distributed_executor_backend or "uni"
+        backend = self.distributed_executor_backend or ("mp" if size > 1 else "uni")
         if backend not in executor_names():
             raise ConfigError(f"distributed_executor_backend={backend!r} is unknown; registered: "
                               f"{executor_names()} (--distributed-executor-backend)")
         if size > 1 and backend == "uni":
-            raise ConfigError(f"tensor_parallel_size={size} needs one worker process per rank, "
-                              "and the only executor here is 'uni' (one process); "
-                              "use tensor_parallel_size=1")
-        return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend)
+            raise ConfigError(f"tensor_parallel_size={size} needs one worker process per rank; "
+                              "'uni' runs one (use --distributed-executor-backend mp)")
+        # FOVEAL_COLLECTIVE_TIMEOUT_S: how long a collective waits for a rank that hangs
+        timeout = float(os.environ.get("FOVEAL_COLLECTIVE_TIMEOUT_S", 60))
+        return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend,
+                              collective_timeout_s=timeout)
+
+    @staticmethod
+    def _check_tensor_parallel(size: int, model: ModelConfig, device: str) -> None:
+        """ConfigError unless every sharded dimension splits over `size` ranks and the
+        machine has `size` devices (CUDA) or cores (CPU)."""
+        if size == 1:
+            return
+        text, vision = model.text, model.vision
+        sharded = {"attention heads": text.num_attention_heads,
+                   "MLP width": text.intermediate_size,
+                   "vision MLP width": vision.intermediate_size}
+        for what, value in sharded.items():
+            if value % size:
+                raise ConfigError(f"tensor_parallel_size={size} does not divide the model's "
+                                  f"{what} ({value}); use a divisor of it")
+        kv_heads = text.num_key_value_heads
+        if kv_heads % size and size % kv_heads:
+            raise ConfigError(f"tensor_parallel_size={size} and {kv_heads} KV heads: each rank "
+                              "needs whole KV heads (size divides them) or one replicated head "
+                              "(they divide size)")
+        if device.startswith("cuda"):
+            import torch
+
+            available, what = torch.cuda.device_count(), "CUDA devices"
+        else:
+            available, what = len(os.sched_getaffinity(0)), "CPU cores"
+        if size > available:
+            raise ConfigError(f"tensor_parallel_size={size} needs {size} {what}; this machine "
+                              f"has {available}")
 
     def _check_cache_options(self) -> str:
         """Validate the cache options; returns the canonical kv_cache_dtype."""

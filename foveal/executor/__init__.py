@@ -17,7 +17,8 @@ from foveal.logger import init_logger
 logger = init_logger(__name__)
 
 # name -> "module:Class", imported on first use
-_EXECUTORS: dict[str, str] = {"uni": "foveal.executor.uniproc:UniProcExecutor"}
+_EXECUTORS: dict[str, str] = {"uni": "foveal.executor.uniproc:UniProcExecutor",
+                              "mp": "foveal.executor.multiproc:MultiprocExecutor"}
 
 
 def register_executor(name: str, target: str) -> None:

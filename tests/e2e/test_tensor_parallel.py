@@ -1,0 +1,128 @@
+"""Tensor parallelism across processes (the `mp` executor, gloo on CPU): TP=2
+gives the same greedy tokens as TP=1 for both architectures, with images,
+video, chunked prefill, prefix-cache hits, quantized KV and speculative
+decoding; a rank that dies or hangs fails the engine with a clear error in
+bounded time and leaves no process behind; sizes that cannot shard are
+ConfigErrors at start."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from foveal import LLM, SamplingParams
+from foveal.errors import ConfigError, EngineDeadError
+from tests.e2e.test_multimodal_caching import image, user
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+OPTIONS = dict(max_model_len=512, kv_cache_memory_bytes=1 << 21, max_num_batched_tokens=256)
+
+
+def frames(count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (56, 84, 3), dtype=np.uint8) for _ in range(count)]
+
+
+def prompts(llm: LLM) -> list:
+    """Images, a clip with an image, and text: the same list for every engine."""
+    tokenizer = llm.get_tokenizer()
+    video_messages = [{"role": "user", "content": [
+        {"type": "image"}, {"type": "video"}, {"type": "text", "text": "what moves?"}]}]
+    video_prompt = {"prompt": tokenizer.apply_chat_template(video_messages,
+                                                            add_generation_prompt=True),
+                    "multi_modal_data": {"image": Image.fromarray(frames(1, 7)[0]),
+                                         "video": {"frames": frames(4, 3), "fps": 1}}}
+    chats = [[user(f"describe picture {i}", image(40 * i))] for i in range(3)]
+    chats.append([{"role": "user", "content": "say red green blue, red green blue"}])
+    return [video_prompt] + chats
+
+
+def run(llm: LLM) -> list[list[int]]:
+    items = prompts(llm)
+    video = llm.generate(items[:1], GREEDY, use_tqdm=False)
+    chats = llm.chat(items[1:], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in video + chats]
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def checkpoint(request, tiny_checkpoints) -> str:
+    return tiny_checkpoints(request.param)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 32, "kv_cache_dtype": "int8"},  # chunks through the media
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+], ids=["plain", "chunked-int8", "ngram"])
+def test_two_ranks_give_the_tokens_of_one(checkpoint, options):
+    expected = run(LLM(model=checkpoint, **{**OPTIONS, **options}))
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, **{**OPTIONS, **options})
+    try:
+        assert llm.llm_engine.executor.kv_cache_spec.num_kv_heads == 1  # 2 KV heads, sharded
+        assert run(llm) == expected
+        assert run(llm) == expected  # again, from the prefix cache
+        assert llm.get_metrics()["foveal:prefix_cache_hits_total"] > 0
+    finally:
+        llm.shutdown()
+
+
+def worker_processes(llm: LLM) -> list:
+    return list(llm.llm_engine.executor._processes)
+
+
+def test_a_rank_that_dies_fails_the_engine_fast_and_leaves_nothing_behind(tiny_checkpoints):
+    llm = LLM(model=tiny_checkpoints("tiny-qwen2-vl"), tensor_parallel_size=2, **OPTIONS)
+    processes = worker_processes(llm)
+    processes[1].kill()
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1|rank 0"):
+        llm.chat([[user("hello", image(10))]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 30
+    assert all(p.poll() is not None for p in processes)  # the other rank was stopped too
+    with pytest.raises(EngineDeadError):
+        llm.chat([[user("again", image(20))]], GREEDY, use_tqdm=False)
+
+
+def test_a_rank_that_hangs_fails_the_engine_in_bounded_time(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("FOVEAL_WORKER_STEP_TIMEOUT_S", "5")
+    monkeypatch.setenv("FOVEAL_COLLECTIVE_TIMEOUT_S", "5")
+    llm = LLM(model=tiny_checkpoints("tiny-qwen2-vl"), tensor_parallel_size=2, **OPTIONS)
+    processes = worker_processes(llm)
+    os.kill(processes[1].pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError, match="did not answer|failed on a tensor-parallel"):
+            llm.chat([[user("hello", image(10))]], GREEDY, use_tqdm=False)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    assert time.monotonic() - started < 30
+    assert all(p.poll() is not None for p in processes)
+
+
+def test_shutdown_stops_every_rank(tiny_checkpoints):
+    llm = LLM(model=tiny_checkpoints("tiny-qwen2-vl"), tensor_parallel_size=2, **OPTIONS)
+    processes = worker_processes(llm)
+    llm.shutdown()
+    assert all(p.poll() == 0 for p in processes)
+
+
+@pytest.mark.parametrize("size, message", [
+    (3, "does not divide the model's attention heads"),
+    (4, "needs 4 CPU cores"),
+])
+def test_sizes_that_cannot_shard_are_config_errors(tiny_checkpoints, monkeypatch, size, message):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a 2-core machine
+    with pytest.raises(ConfigError, match=message):
+        LLM(model=tiny_checkpoints("tiny-qwen2-vl"), tensor_parallel_size=size, **OPTIONS)
+
+
+def test_uni_executor_with_two_ranks_is_a_config_error(tiny_checkpoints):
+    with pytest.raises(ConfigError, match="one worker process per rank"):
+        LLM(model=tiny_checkpoints("tiny-qwen2-vl"), tensor_parallel_size=2,
+            distributed_executor_backend="uni", **OPTIONS)
