@@ -55,6 +55,9 @@ class ModelConfig:
     vision_end_token_id: int
     eos_token_ids: tuple[int, ...] = ()
     path: str | None = None  # checkpoint folder; None for dummy weights
+    # With tensor parallelism: "weights" shards the vision encoder like the decoder;
+    # "data" replicates it and splits each step's media items over the ranks.
+    mm_encoder_tp_mode: str = "weights"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ configuration, so every entrypoint spells options the same way.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from foveal.config import (CacheConfig, EngineConfig, ModelConfig, MultimodalConfig, ParallelConfig,
                            SchedulerConfig, SpeculativeConfig, TextConfig)
@@ -39,6 +39,7 @@ class EngineArgs:
     kv_offload_path: str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    mm_encoder_tp_mode: str = "weights"  # "data": replicate the vision encoder, split items
     speculative_config: dict | None = None
 
     @classmethod
@@ -56,6 +57,10 @@ class EngineArgs:
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
         model_config = model_config_from_hf(self.model)
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise ConfigError(f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r}; use 'weights' "
+                              "(shard the vision encoder) or 'data' (replicate it, split items)")
+        model_config = replace(model_config, mm_encoder_tp_mode=self.mm_encoder_tp_mode)
         device = resolve_device(self.device)
         max_model_len = self.max_model_len or model_config.text.max_position_embeddings
         if max_model_len > model_config.text.max_position_embeddings:
@@ -150,9 +155,9 @@ class EngineArgs:
         if size == 1:
             return
         text, vision = model.text, model.vision
-        sharded = {"attention heads": text.num_attention_heads,
-                   "MLP width": text.intermediate_size,
-                   "vision MLP width": vision.intermediate_size}
+        sharded = {"attention heads": text.num_attention_heads, "MLP width": text.intermediate_size}
+        if model.mm_encoder_tp_mode == "weights":
+            sharded["vision MLP width"] = vision.intermediate_size
         for what, value in sharded.items():
             if value % size:
                 raise ConfigError(f"tensor_parallel_size={size} does not divide the model's "

@@ -5,10 +5,11 @@ from foveal.distributed.parallel_state import (
     get_tp_rank,
     get_tp_size,
     init_tensor_parallel_group,
+    single_rank_layers,
     tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
 )
 
 __all__ = ["ProcessGroup", "get_tp_group", "get_tp_rank", "get_tp_size",
-           "init_tensor_parallel_group", "tensor_parallel_all_gather",
+           "init_tensor_parallel_group", "single_rank_layers", "tensor_parallel_all_gather",
            "tensor_parallel_all_reduce"]

@@ -8,8 +8,9 @@ same layer code.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,18 @@ def init_tensor_parallel_group(tensor_parallel_size: int) -> ProcessGroup:
     _TP_GROUP = ProcessGroup(rank=world_rank - first, world_size=tensor_parallel_size,
                              device_group=dist.new_group(ranks))
     return _TP_GROUP
+
+
+@contextmanager
+def single_rank_layers() -> Iterator[None]:
+    """Layers built inside hold whole weights and run no collectives, whatever
+    the group: a module replicated on every rank (a data-parallel vision encoder)."""
+    global _TP_GROUP
+    group, _TP_GROUP = _TP_GROUP, ProcessGroup()
+    try:
+        yield
+    finally:
+        _TP_GROUP = group
 
 
 def get_tp_group() -> ProcessGroup:

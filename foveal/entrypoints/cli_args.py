@@ -71,7 +71,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="worker processes the model is split over")
     group.add_argument("--distributed-executor-backend",
-                       help="executor that runs the workers (default: uni, in-process)")
+                       help="executor that runs the workers: uni (in-process; the default "
+                            "for one rank) or mp (one process per rank; the default for more)")
+    group.add_argument("--mm-encoder-tp-mode", choices=("weights", "data"), default="weights",
+                       help="with -tp > 1: shard the vision encoder's weights, or replicate it "
+                            "and split each step's images and videos over the ranks")
     group.add_argument("--speculative-config", type=_json_dict, default=None,
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 3}\'')
@@ -83,7 +87,7 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_bat
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
                 "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
                 "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend",
-                "speculative_config")
+                "mm_encoder_tp_mode", "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -86,7 +86,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = apply_linear(x, self, None)
-        y = tensor_parallel_all_reduce(y)
+        if self.tp_size > 1:  # a layer built replicated (single_rank_layers) sums nothing
+            y = tensor_parallel_all_reduce(y)
         # Bias added once, after the sum, so ranks do not add it tp_size times.
         return y + self.bias if self.bias is not None else y
 

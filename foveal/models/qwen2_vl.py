@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from foveal.config import ModelConfig
+from foveal.distributed import get_tp_size, single_rank_layers
+from foveal.distributed.encoder_data_parallel import encode_across_ranks
 from foveal.errors import PlaceholderMismatchError
 from foveal.layers.embed_head import ParallelLMHead
 from foveal.models.positions import MRopePositions
@@ -79,7 +81,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         text = config.text
-        self.visual = VisionTransformer(config.vision)
+        if config.mm_encoder_tp_mode == "data":  # whole on every rank; items split per step
+            with single_rank_layers():
+                self.visual = VisionTransformer(config.vision)
+        else:
+            self.visual = VisionTransformer(config.vision)
         self.language_model = Qwen2Model(text)
         tied = self.language_model.embed_tokens if text.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, tied_embedding=tied)
@@ -99,8 +105,16 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                     f"{feature.modality} grid {_grid(feature)} gives {size} visual tokens but its "
                     f"placeholder holds {feature.placeholder.length}; re-run the processor")
         device = self.lm_head.weight.device
-        pixels = torch.cat([_pixels(f) for f in features]).to(device)  # (N, C*T*P*P)
-        return list(self.visual(pixels, grids).split(sizes))
+
+        def encode(indices: list[int]) -> list[torch.Tensor]:
+            pixels = torch.cat([_pixels(features[i]) for i in indices]).to(device)  # (N, C*T*P*P)
+            return list(self.visual(pixels, [grids[i] for i in indices])
+                        .split([sizes[i] for i in indices]))
+
+        if self.config.mm_encoder_tp_mode == "data" and get_tp_size() > 1:
+            return encode_across_ranks(encode, sizes, self.config.vision.out_hidden_size,
+                                       device, self.lm_head.weight.dtype)
+        return encode(list(range(len(features))))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 aux_layers: tuple[int, ...] = ()):

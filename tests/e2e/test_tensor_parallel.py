@@ -57,9 +57,10 @@ def checkpoint(request, tiny_checkpoints) -> str:
     {},
     {"max_num_batched_tokens": 32, "kv_cache_dtype": "int8"},  # chunks through the media
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
-], ids=["plain", "chunked-int8", "ngram"])
+    {"mm_encoder_tp_mode": "data"},  # each rank encodes some of a step's items
+], ids=["plain", "chunked-int8", "ngram", "encoder-data"])
 def test_two_ranks_give_the_tokens_of_one(checkpoint, options):
-    expected = run(LLM(model=checkpoint, **{**OPTIONS, **options}))
+    expected = run(LLM(model=checkpoint, **{**OPTIONS, **options}))  # TP=1
     llm = LLM(model=checkpoint, tensor_parallel_size=2, **{**OPTIONS, **options})
     try:
         assert llm.llm_engine.executor.kv_cache_spec.num_kv_heads == 1  # 2 KV heads, sharded
