@@ -127,3 +127,64 @@ def test_uni_executor_with_two_ranks_is_a_config_error(tiny_checkpoints):
     with pytest.raises(ConfigError, match="one worker process per rank"):
         LLM(model=tiny_checkpoints("tiny-qwen2-vl"), tensor_parallel_size=2,
             distributed_executor_backend="uni", **OPTIONS)
+
+
+def tp_worker_pids(parent_pid: int) -> list[int]:
+    """Processes running a tensor-parallel rank whose parent is `parent_pid`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ")
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"foveal.executor.multiproc" in command and ppid == parent_pid:
+            pids.append(int(entry))
+    return pids
+
+
+def test_the_server_answers_503_and_fails_health_when_a_rank_dies(tiny_checkpoints):
+    """`foveal serve -tp 2`: the ranks run under the engine-core process."""
+    import multiprocessing
+
+    import httpx
+
+    from tests.e2e.test_openai_server import MODEL_NAME, make_engine, serving
+
+    checkpoint = tiny_checkpoints("tiny-qwen2-vl")
+    before = set(multiprocessing.active_children())
+    engine = make_engine(checkpoint, tensor_parallel_size=2)
+    body = {"model": MODEL_NAME, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello"}]}
+    try:
+        core = next(c for c in multiprocessing.active_children()
+                    if c not in before and tp_worker_pids(c.pid))
+        ranks = tp_worker_pids(core.pid)
+        assert len(ranks) == 2
+        with serving(engine, checkpoint) as server:
+            url = server.base_url
+            assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+            os.kill(ranks[1], signal.SIGKILL)
+            started = time.monotonic()
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert response.status_code == 503 and "rank" in response.json()["error"]["message"]
+            assert time.monotonic() - started < 30
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+    finally:
+        engine.shutdown()
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in ranks)  # no orphan rank outlives the engine
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
