@@ -71,6 +71,36 @@ def test_two_ranks_give_the_tokens_of_one(checkpoint, options):
         llm.shutdown()
 
 
+def test_eagle3_with_two_ranks_gives_the_tokens_of_one(tiny_checkpoints, tmp_path):
+    """The head's layers and its KV shard like the target's (a random head: drafts
+    are proposed and verified, whatever their acceptance)."""
+    import json
+
+    import torch
+
+    from foveal.eagle_train.graph import Eagle3Graph, save_head
+    from foveal.loader.eagle_config import load_eagle_config
+    from foveal.loader.hf_config import model_config_from_hf
+
+    checkpoint = tiny_checkpoints("tiny-qwen2-vl")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512}))
+    torch.manual_seed(0)
+    save_head(Eagle3Graph(load_eagle_config("eagle3", str(tmp_path),
+                                            model_config_from_hf(checkpoint).text)),
+              tmp_path / "head")
+    options = {**OPTIONS, "speculative_config": {
+        "method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}}
+    expected = run(LLM(model=checkpoint, **OPTIONS))
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, **options)
+    try:
+        assert run(llm) == expected
+        assert llm.get_metrics()["foveal:spec_decode_num_draft_tokens_total"] > 0
+    finally:
+        llm.shutdown()
+
+
 def worker_processes(llm: LLM) -> list:
     return list(llm.llm_engine.executor._processes)
 
