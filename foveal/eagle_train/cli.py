@@ -8,7 +8,7 @@ def _train(args: argparse.Namespace) -> int:
     from foveal.eagle_train.train import EagleTrainConfig, train_eagle
 
     names = ("num_prompts", "max_tokens", "steps", "batch_size", "unroll", "lr",
-             "draft_vocab_size", "intermediate_size", "seed", "device")
+             "draft_vocab_size", "intermediate_size", "seed", "device", "prompts")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.stop_at_eos:
         given["ignore_eos"] = False
@@ -28,7 +28,11 @@ def register(subparsers) -> None:
                     "keeps the generated data, so a rerun skips generation.")
     parser.add_argument("--target", required=True, help="the target checkpoint folder")
     parser.add_argument("--out", required=True, help="folder for the head")
-    parser.add_argument("--num-prompts", type=int, help="prompts to answer (default 256)")
+    parser.add_argument("--prompts", metavar="JSONL",
+                        help='your prompts, one per line: {"messages": [chat messages, images '
+                             'included]} or {"prompt": "text"} (default: the demo tasks)')
+    parser.add_argument("--num-prompts", type=int,
+                        help="prompts to answer (default 256; with --prompts, the first N)")
     parser.add_argument("--max-tokens", type=int, help="answer tokens per prompt (default 48)")
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="end answers at EOS (default: keep generating to --max-tokens)")

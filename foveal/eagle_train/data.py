@@ -4,13 +4,15 @@ own forward passes (the numerics the head sees when serving).
 
 The prompts are the demo tasks' train split (foveal/demo_model/tasks.py):
 images, multi-image comparisons and clips with questions, through the
-target's chat template. The engine runs one request at a time with neither
+target's chat template; or the user's own, from a JSONL file (train on the
+traffic the head will serve). The engine runs one request at a time with neither
 chunking nor prefix caching, so each forward belongs to one request: its
 prompt, then one generated token per decode step. Hooks on the text decoder
 record the three auxiliary layers' inputs and the positions of every row.
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -58,13 +60,44 @@ class FeatureRecorder:
             handle.remove()
 
 
-def generate_sequences(target: str, aux_layers: tuple[int, ...], num_prompts: int,
-                       max_tokens: int, ignore_eos: bool, start: int = 0) -> list[Sequence]:
-    """Greedy answers of the target to `num_prompts` task prompts, with features."""
+def task_conversations(num_prompts: int, start: int = 0) -> list[list[dict]]:
+    """The demo tasks' train-split prompts as chat conversations."""
+    from foveal.demo_model.tasks import make_sample
+
+    return [make_sample("train", index).messages() for index in range(start, start + num_prompts)]
+
+
+def load_conversations(path: str) -> list[list[dict]]:
+    """A JSONL file of prompts, one per line: {"messages": [OpenAI chat messages]}
+    (image_url / video_url parts included) or {"prompt": "text"}."""
+    conversations = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON ({error})") from None
+            if isinstance(item, dict) and isinstance(item.get("messages"), list):
+                conversations.append(item["messages"])
+            elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+                conversations.append([{"role": "user", "content": item["prompt"]}])
+            else:
+                raise ValueError(f"{path}:{number}: expected {{\"messages\": [...]}} or "
+                                 "{\"prompt\": \"...\"}")
+    if not conversations:
+        raise ValueError(f"{path} holds no prompts")
+    return conversations
+
+
+def generate_sequences(target: str, aux_layers: tuple[int, ...],
+                       conversations: list[list[dict]], max_tokens: int,
+                       ignore_eos: bool) -> list[Sequence]:
+    """Greedy answers of the target to each conversation, with features."""
     from tqdm import tqdm
 
     from foveal import LLM, SamplingParams
-    from foveal.demo_model.tasks import make_sample
 
     from foveal.loader.hf_config import model_config_from_hf
 
@@ -76,11 +109,9 @@ def generate_sequences(target: str, aux_layers: tuple[int, ...], num_prompts: in
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     sequences = []
     try:
-        for index in tqdm(range(start, start + num_prompts), desc="self-generated answers",
-                          dynamic_ncols=True):
+        for messages in tqdm(conversations, desc="self-generated answers", dynamic_ncols=True):
             recorder.forwards.clear()
-            sample = make_sample("train", index)
-            output = llm.chat(sample.messages(), params, use_tqdm=False)[0]
+            output = llm.chat(messages, params, use_tqdm=False)[0]
             sequences.append(_sequence(output, recorder.forwards))
     finally:
         recorder.close()

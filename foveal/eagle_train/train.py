@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from foveal.eagle_train.data import Sequence, generate_sequences
+from foveal.eagle_train.data import (Sequence, generate_sequences, load_conversations,
+                                     task_conversations)
 from foveal.eagle_train.graph import Eagle3Graph, save_head
 from foveal.loader.eagle_config import EagleConfig, default_aux_layer_ids
 from foveal.loader.hf_config import model_config_from_hf
@@ -45,6 +46,7 @@ class EagleTrainConfig:
     seed: int = 0
     eval_fraction: float = 0.1
     device: str | None = None  # default: cuda when present, else cpu
+    prompts: str | None = None  # JSONL of prompts (data.load_conversations); default: demo tasks
 
 
 def head_config(target: str, cfg: EagleTrainConfig, draft_vocab_size: int) -> EagleConfig:
@@ -117,7 +119,9 @@ def train_eagle(target: str, out: str | Path, cfg: EagleTrainConfig) -> Path:
     if data_path.exists():  # resumable: the data is the slow part on big targets
         sequences = torch.load(data_path, weights_only=False)
     else:
-        sequences = generate_sequences(target, aux, cfg.num_prompts, cfg.max_tokens,
+        conversations = (load_conversations(cfg.prompts)[:cfg.num_prompts] if cfg.prompts
+                         else task_conversations(cfg.num_prompts))
+        sequences = generate_sequences(target, aux, conversations, cfg.max_tokens,
                                        cfg.ignore_eos)
         torch.save(sequences, data_path)
     vocab = draft_vocabulary(sequences, text.vocab_size, cfg.draft_vocab_size)

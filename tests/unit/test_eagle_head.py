@@ -186,3 +186,34 @@ def test_draft_vocabulary_keeps_the_tokens_the_target_wrote_most():
                    answer_start=2)  # answers: 1, 7, 7, 7, 3 (the prompt's 5s do not count)
     assert draft_vocabulary([seq], 10, 2).tolist() == [1, 7]  # ties go to the lower id
     assert draft_vocabulary([seq], 10, 10).tolist() == list(range(10))
+
+
+def test_prompts_file_lines_become_conversations_and_bad_lines_name_their_line(tmp_path):
+    from foveal.eagle_train.data import load_conversations
+
+    good = tmp_path / "prompts.jsonl"
+    good.write_text('{"prompt": "quote the page"}\n\n'
+                    '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert load_conversations(str(good)) == [
+        [{"role": "user", "content": "quote the page"}], [{"role": "user", "content": "hi"}]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_conversations(str(bad))
+
+
+def test_recorded_features_cover_every_fed_token(tiny_checkpoints):
+    """One row per token the target was fed (prompt + answer but its last token),
+    with the positions of the decoder's own forward."""
+    from foveal.eagle_train.data import generate_sequences
+
+    conversations = [[{"role": "user", "content": f"count to {n}"}] for n in (3, 12)]
+    sequences = generate_sequences(tiny_checkpoints("tiny-qwen2-vl"), (0, 1, 1), conversations,
+                                   max_tokens=6, ignore_eos=True)
+    for seq in sequences:
+        assert len(seq.token_ids) == seq.answer_start + 6
+        assert seq.features.shape == (len(seq.token_ids) - 1, 3 * HIDDEN)
+        assert seq.positions.shape == (3, len(seq.token_ids))
+        assert torch.equal(seq.positions[0], torch.arange(len(seq.token_ids)))  # text only
+        # layer 1's input appears twice: the recorder concatenates in the order asked
+        assert torch.equal(seq.features[:, HIDDEN:2 * HIDDEN], seq.features[:, 2 * HIDDEN:])
