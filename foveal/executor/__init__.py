@@ -18,7 +18,8 @@ logger = init_logger(__name__)
 
 # name -> "module:Class", imported on first use
 _EXECUTORS: dict[str, str] = {"uni": "foveal.executor.uniproc:UniProcExecutor",
-                              "mp": "foveal.executor.multiproc:MultiprocExecutor"}
+                              "mp": "foveal.executor.multiproc:MultiprocExecutor",
+                              "ray": "foveal.executor.ray_executor:RayExecutor"}
 
 
 def register_executor(name: str, target: str) -> None:

@@ -1,9 +1,9 @@
-"""Tensor parallelism across processes (the `mp` executor, gloo on CPU): TP=2
-gives the same greedy tokens as TP=1 for both architectures, with images,
-video, chunked prefill, prefix-cache hits, quantized KV and speculative
-decoding; a rank that dies or hangs fails the engine with a clear error in
-bounded time and leaves no process behind; sizes that cannot shard are
-ConfigErrors at start."""
+"""Tensor parallelism across processes (the `mp` executor, gloo on CPU; and
+Ray actors): TP=2 gives the same greedy tokens as TP=1 for both
+architectures, with images, video, chunked prefill, prefix-cache hits,
+quantized KV and speculative decoding; a rank that dies or hangs fails the
+engine with a clear error in bounded time and leaves no process behind; sizes
+that cannot shard are ConfigErrors at start."""
 from __future__ import annotations
 
 import os
@@ -218,3 +218,29 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_ray_actors_give_the_tokens_of_local_processes_and_fail_cleanly(tiny_checkpoints):
+    """A local Ray instance (what `ray start --head` gives on one host): the same
+    tokens as the mp executor; a killed actor fails the engine in bounded time."""
+    import ray
+
+    checkpoint = tiny_checkpoints("tiny-qwen2.5-vl")
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, **OPTIONS)
+    try:
+        expected = run(llm)
+    finally:
+        llm.shutdown()
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray",
+              **OPTIONS)
+    try:
+        assert llm.llm_engine.executor.kv_cache_spec.num_kv_heads == 1
+        assert run(llm) == expected
+        ray.kill(llm.llm_engine.executor._actors[1])
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died|failed"):
+            llm.chat([[user("hello", image(10))]], GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 30
+    finally:
+        llm.shutdown()
+    assert not ray.is_initialized()  # the engine started Ray, and stopped it
