@@ -50,6 +50,11 @@ class TrainConfig:
 
     vision_steps: int = 1800
     steps: int = 2400
+    # Stage 3 (optional): everything but the probe trains on the answers at a small lr,
+    # from where stage 2 ended (refines what the tower passes on, e.g. which colour is
+    # whose).
+    joint_steps: int = 0
+    joint_lr: float = 5e-5
     batch_size: int = 16
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
@@ -64,7 +69,12 @@ class TrainConfig:
 
     @property
     def total_steps(self) -> int:
-        return self.vision_steps + self.steps
+        return self.vision_steps + self.steps + self.joint_steps
+
+    def stage_of(self, step: int) -> int:
+        if step < self.vision_steps:
+            return 1
+        return 3 if self.joint_steps and step >= self.vision_steps + self.steps else 2
 
 
 def cpu_has_native_bf16() -> bool:
@@ -126,8 +136,11 @@ def build_hf_model(hf_config: dict, seed: int):
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Warmup then cosine decay to min_lr_ratio, separately in each stage."""
-    peak, length = (cfg.vision_lr, cfg.vision_steps) if step < cfg.vision_steps else (cfg.lr, cfg.steps)
-    step = step if step < cfg.vision_steps else step - cfg.vision_steps
+    stage = cfg.stage_of(step)
+    peak, length, start = {1: (cfg.vision_lr, cfg.vision_steps, 0),
+                           2: (cfg.lr, cfg.steps, cfg.vision_steps),
+                           3: (cfg.joint_lr, cfg.joint_steps, cfg.vision_steps + cfg.steps)}[stage]
+    step -= start
     warmup = min(cfg.warmup, max(1, length // 2))
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -304,9 +317,9 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     stage = None
     while step < cfg.total_steps:
         vision_stage = step < cfg.vision_steps
-        if vision_stage != stage:
-            _set_stage(model, probe, vision_stage)
-            stage = vision_stage
+        if cfg.stage_of(step) != stage:
+            stage = cfg.stage_of(step)
+            _set_stage(model, probe, stage)
         started = time.perf_counter()
         rng = random.Random(f"augment:{cfg.seed}:{step}")
         tasks = rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS], k=cfg.batch_size)
@@ -332,13 +345,14 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         optimizer.step()
         step += 1
         elapsed += time.perf_counter() - started
-        if step == cfg.vision_steps + 1 or loss_ema is None:
+        if step in (cfg.vision_steps + 1, cfg.vision_steps + cfg.steps + 1) or loss_ema is None:
             loss_ema = loss.item()  # a new stage, a new loss
         loss_ema = 0.95 * loss_ema + 0.05 * loss.item()
         bar.update(1)
-        bar.set_postfix(stage=1 if vision_stage else 2, loss=f"{loss_ema:.3f}", lr=f"{lr_at(step, cfg):.1e}")
+        bar.set_postfix(stage=stage, loss=f"{loss_ema:.3f}", lr=f"{lr_at(step, cfg):.1e}")
         record = {"step": step, "loss": loss_ema, "elapsed": elapsed}
-        if step % cfg.eval_every == 0 or step in (cfg.vision_steps, cfg.total_steps):
+        if step % cfg.eval_every == 0 or step in (cfg.vision_steps, cfg.vision_steps + cfg.steps,
+                                                  cfg.total_steps):
             if vision_stage:
                 record["probe"] = probe_accuracy(model, probe, encoder, cfg.eval_samples, bf16)
                 scores = record["probe"]
@@ -354,12 +368,14 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     return folder
 
 
-def _set_stage(model, probe, vision_stage: bool) -> None:
-    """Stage 1 trains the vision tower and the probe; stage 2 the rest."""
+def _set_stage(model, probe, stage: int) -> None:
+    """Stage 1 trains the vision tower and the probe; stage 2 the rest; stage 3 the
+    whole model (not the probe)."""
     for name, param in model.named_parameters():
-        param.requires_grad_(("visual" in name.split(".")[:2]) == vision_stage)
+        visual = "visual" in name.split(".")[:2]
+        param.requires_grad_(stage == 3 or visual == (stage == 1))
     for param in probe.parameters():
-        param.requires_grad_(vision_stage)
+        param.requires_grad_(stage == 1)
 
 
 def _run_vision_tower(model, batch: dict) -> list[tuple[str, str]]:

@@ -207,6 +207,11 @@ def test_learning_rate_warms_up_then_decays_to_the_floor_in_each_stage():
     assert lr_at(50, cfg) == pytest.approx(1e-4) and lr_at(59, cfg) == pytest.approx(1e-3)
     assert lr_at(150, cfg) == pytest.approx(1e-4)
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(60, 150))
+    joint = TrainConfig(vision_steps=50, steps=100, joint_steps=40, warmup=10, lr=1e-3,
+                        joint_lr=1e-4, min_lr_ratio=0.1)
+    assert joint.stage_of(149) == 2 and joint.stage_of(150) == 3 and joint.total_steps == 190
+    assert lr_at(150, joint) == pytest.approx(1e-5) and lr_at(159, joint) == pytest.approx(1e-4)
+    assert lr_at(189, joint) == pytest.approx(1e-5, rel=0.1)
 
 
 def test_training_resumes_and_exports_a_checkpoint_both_engines_load(tmp_path):
