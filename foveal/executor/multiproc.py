@@ -172,9 +172,10 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         if self._dead:
             raise EngineDeadError("a tensor-parallel worker failed earlier; start a new engine")
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all
         for rank, conn in enumerate(self._conns):
             try:
-                _send(conn, (method, args))
+                conn.send_bytes(message)
             except (BrokenPipeError, OSError) as error:
                 self._fail(f"rank {rank} is gone ({error})")
         timeout = (_timeout_s("FOVEAL_WORKER_STARTUP_TIMEOUT_S", 600) if method in _SLOW_METHODS
