@@ -22,32 +22,19 @@ import subprocess
 import sys
 import time
 import traceback
-from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 from typing import Any
 
 from foveal.config import EngineConfig
-from foveal.errors import EngineDeadError, FovealError
+from foveal.errors import EngineDeadError
 from foveal.executor.base import Executor
+from foveal.executor.ranks import (call_timeout_s, check_no_encoder_connector, free_port,
+                                   is_start_error, rank_reply, start_rank, startup_timeout_s)
 from foveal.logger import init_logger
 
 logger = init_logger(__name__)
 
 _POLL_S = 0.2
-# Methods that load or allocate: they may take as long as loading a checkpoint.
-_SLOW_METHODS = ("load_model", "determine_num_blocks", "initialize_cache")
-
-
-def _timeout_s(name: str, default: float) -> float:
-    """FOVEAL_WORKER_STARTUP_TIMEOUT_S (600) bounds start and loading;
-    FOVEAL_WORKER_STEP_TIMEOUT_S (300) bounds every other call, a step included."""
-    return float(os.environ.get(name, default))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _send(conn, obj: Any) -> None:
@@ -67,22 +54,11 @@ def threads_per_rank(world_size: int) -> int:
 def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str,
                 conn, collective_timeout_s: float) -> None:
     """One rank: join the group, build the worker, serve calls until shutdown."""
-    import torch
     import torch.distributed as dist
 
-    from foveal.distributed import init_tensor_parallel_group
-    from foveal.worker.worker import Worker
-
-    torch.set_num_threads(threads_per_rank(world_size))
-    cuda = config.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(rank)
     try:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
-        init_tensor_parallel_group(world_size)
-        worker = Worker(config, rank=rank)
+        worker = start_rank(config, rank, world_size, init_method, collective_timeout_s,
+                            threads_per_rank(world_size), cuda_device=rank)
     except Exception as error:  # noqa: BLE001 - reported to the engine, which raises it
         _send(conn, ("error", _portable(error)))
         return
@@ -94,7 +70,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
             break
         try:
             result = getattr(worker, method)(*args)
-            _send(conn, ("ok", result if rank == 0 or method != "execute" else None))
+            _send(conn, ("ok", rank_reply(rank, method, result)))
         except Exception as error:  # noqa: BLE001
             _send(conn, ("error", _portable(error)))
         if method == "shutdown":
@@ -116,9 +92,7 @@ def _portable(error: Exception) -> Exception:
 
 class MultiprocExecutor(Executor):
     def _init_workers(self, encoder_connector_worker: Any) -> None:
-        if encoder_connector_worker is not None:
-            raise FovealError("an encoder connector's worker half runs in one process; "
-                              "use tensor_parallel_size=1 with it")
+        check_no_encoder_connector(encoder_connector_worker)
         world_size = self.config.parallel.world_size
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
@@ -132,11 +106,11 @@ class MultiprocExecutor(Executor):
         self._dead = False
         try:
             self._accept(listener, world_size)
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
             for rank, conn in enumerate(self._conns):
                 _send(conn, (self.config, rank, world_size, init_method,
                            self.config.parallel.collective_timeout_s))
-            self._gather("start", _timeout_s("FOVEAL_WORKER_STARTUP_TIMEOUT_S", 600))
+            self._gather("start", startup_timeout_s())
         except Exception:
             self._kill()
             raise
@@ -149,7 +123,7 @@ class MultiprocExecutor(Executor):
     def _accept(self, listener: Listener, world_size: int) -> None:
         """One connection per process, in rank order (rank = launch order)."""
         listener._listener._socket.settimeout(_POLL_S)  # so a dead child is noticed
-        timeout = _timeout_s("FOVEAL_WORKER_STARTUP_TIMEOUT_S", 600)
+        timeout = startup_timeout_s()
         deadline = time.monotonic() + timeout
         pending = world_size
         while pending:
@@ -178,9 +152,7 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(message)
             except (BrokenPipeError, OSError) as error:
                 self._fail(f"rank {rank} is gone ({error})")
-        timeout = (_timeout_s("FOVEAL_WORKER_STARTUP_TIMEOUT_S", 600) if method in _SLOW_METHODS
-                   else _timeout_s("FOVEAL_WORKER_STEP_TIMEOUT_S", 300))
-        return self._gather(method, timeout)
+        return self._gather(method, call_timeout_s(method))
 
     def _gather(self, method: str, timeout_s: float) -> list[Any]:
         """Each rank's answer to `method`, in rank order, or EngineDeadError."""
@@ -199,8 +171,7 @@ class MultiprocExecutor(Executor):
                 self._fail(f"rank {rank} closed its pipe during {method}")
             (errors if status == "error" else results).append(value)
         if errors:
-            if all(isinstance(e, FovealError) and not isinstance(e, EngineDeadError)
-                   for e in errors) and method in ("start", "load_model", "determine_num_blocks"):
+            if all(is_start_error(e, method) for e in errors):
                 self._kill()
                 raise errors[0]  # a typed error at start (ConfigError, CheckpointError)
             self._fail(f"{method} failed on a tensor-parallel rank: {errors[0]}", errors[0])

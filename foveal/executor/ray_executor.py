@@ -10,13 +10,13 @@ Every call has a deadline; a dead actor or a timeout raises EngineDeadError.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 from foveal.config import EngineConfig
-from foveal.errors import ConfigError, EngineDeadError, FovealError
+from foveal.errors import ConfigError, EngineDeadError
 from foveal.executor.base import Executor
-from foveal.executor.multiproc import _free_port, _timeout_s
+from foveal.executor.ranks import (call_timeout_s, check_no_encoder_connector, free_port,
+                                   is_start_error, rank_reply, start_rank, startup_timeout_s)
 from foveal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -32,28 +32,15 @@ class RayWorker:
     def address(self) -> tuple[str, int]:
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def start(self, init_method: str, collective_timeout_s: float) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from foveal.distributed import init_tensor_parallel_group
-        from foveal.worker.worker import Worker
-
-        torch.set_num_threads(self.threads)
-        cuda = self.config.device.startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(0)  # Ray gives each actor its own visible GPU
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
-        init_tensor_parallel_group(self.world_size)
-        self.worker = Worker(self.config, rank=self.rank)
+        # Ray gives each actor its own visible GPU: device 0 here.
+        self.worker = start_rank(self.config, self.rank, self.world_size, init_method,
+                                 collective_timeout_s, self.threads, cuda_device=0)
 
     def call(self, method: str, args: tuple) -> Any:
-        result = getattr(self.worker, method)(*args)
-        return result if self.rank == 0 or method != "execute" else None
+        return rank_reply(self.rank, method, getattr(self.worker, method)(*args))
 
 
 class RayExecutor(Executor):
@@ -65,9 +52,7 @@ class RayExecutor(Executor):
         except ImportError:
             raise ConfigError("--distributed-executor-backend ray needs Ray: "
                               "pip install 'foveal[ray]'") from None
-        if encoder_connector_worker is not None:
-            raise FovealError("an encoder connector's worker half runs in one process; "
-                              "use tensor_parallel_size=1 with it")
+        check_no_encoder_connector(encoder_connector_worker)
         self._ray = ray
         self._actors: list[Any] = []
         self._group = None
@@ -82,7 +67,7 @@ class RayExecutor(Executor):
                                      // world_size)
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": threads}
         self._group = placement_group([bundle] * world_size, strategy="PACK")
-        startup = _timeout_s("FOVEAL_WORKER_STARTUP_TIMEOUT_S", 600)
+        startup = startup_timeout_s()
         try:
             ray.get(self._group.ready(), timeout=startup)
             actor_class = ray.remote(RayWorker)
@@ -104,11 +89,8 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         if self._dead:
             raise EngineDeadError("a tensor-parallel worker failed earlier; start a new engine")
-        slow = method in ("load_model", "determine_num_blocks", "initialize_cache")
-        timeout = _timeout_s("FOVEAL_WORKER_STARTUP_TIMEOUT_S" if slow
-                             else "FOVEAL_WORKER_STEP_TIMEOUT_S", 600 if slow else 300)
         return self._get([actor.call.remote(method, args) for actor in self._actors], method,
-                         timeout)
+                         call_timeout_s(method))
 
     def _get(self, refs: list, method: str, timeout_s: float) -> list[Any]:
         ray = self._ray
@@ -120,8 +102,7 @@ class RayExecutor(Executor):
             self._fail(f"a rank's actor died during {method}: {error}", error)
         except ray.exceptions.RayTaskError as error:
             cause = error.as_instanceof_cause()
-            if isinstance(cause, FovealError) and not isinstance(cause, EngineDeadError) \
-                    and method in ("start", "load_model", "determine_num_blocks"):
+            if is_start_error(cause, method):
                 self._kill()
                 raise cause from None  # a typed error at start (ConfigError, CheckpointError)
             self._fail(f"{method} failed on a tensor-parallel rank: {cause}", error)
