@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 
@@ -41,6 +42,32 @@ class AttentionMetadata:
     # Tensors a backend derives once per forward and reuses in every layer
     # (gather indices, masks), keyed by the backend.
     backend_cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_arrays(cls, slot_mapping: np.ndarray, query_start_loc: np.ndarray,
+                    seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
+                    device: torch.device) -> "AttentionMetadata":
+        """The layout from host arrays: (T,) slots, (B+1,) query starts, (B,) context
+        lengths, (B, max_blocks) block tables (block_table_array)."""
+        def on_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
+        return cls(
+            slot_mapping=on_device(slot_mapping),
+            query_start_loc=on_device(query_start_loc.astype(np.int32)),
+            seq_lens=on_device(seq_lens.astype(np.int32)),
+            block_tables=on_device(block_tables),
+            max_query_len=int(np.diff(query_start_loc).max()), max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens.tolist())
+
+
+def block_table_array(rows: list[list[int]]) -> np.ndarray:
+    """Each request's block ids, right-padded with 0: (B, max_blocks) int32."""
+    table = np.zeros((len(rows), max(len(row) for row in rows)), dtype=np.int32)
+    for i, row in enumerate(rows):
+        table[i, :len(row)] = row
+    return table
 
 
 @dataclass

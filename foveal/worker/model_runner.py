@@ -16,7 +16,7 @@ import torch
 
 from foveal.config import EngineConfig
 from foveal.engine.plan import ModelRunnerOutput, NewRequestData, StepPlan
-from foveal.forward_context import AttentionMetadata, forward_context
+from foveal.forward_context import AttentionMetadata, block_table_array, forward_context
 from foveal.layers.attention.kv_spec import KVCaches
 from foveal.multimodal.inputs import MMFeature
 from foveal.sampling_params import SamplingParams
@@ -206,7 +206,7 @@ class ModelRunner:
         row_starts = np.repeat(starts - query_start_loc[:-1], num_new)  # (T,)
         token_index = np.arange(query_start_loc[-1]) + row_starts  # (T,)
         request_index = np.repeat(np.arange(len(states)), num_new)  # (T,)
-        block_tables = self._block_tables(states)  # (B, max_blocks)
+        block_tables = block_table_array([s.block_ids for s in states])  # (B, max_blocks)
         slot_mapping = (block_tables[request_index, token_index // self.block_size]
                         .astype(np.int64) * self.block_size
                         + token_index % self.block_size)  # (T,)
@@ -221,29 +221,12 @@ class ModelRunner:
         return Batch(
             input_ids=self._to_device(np.array(input_ids, dtype=np.int64)),
             positions=self._to_device(self._positions(states, starts, num_new, token_index)),
-            attn_metadata=self._attention_metadata(slot_mapping, query_start_loc, seq_lens,
-                                                   block_tables),
+            attn_metadata=AttentionMetadata.from_arrays(slot_mapping, query_start_loc, seq_lens,
+                                                        block_tables, self.block_size,
+                                                        self.device),
             logits_indices=self._to_device(np.concatenate(logits_indices or [np.zeros(0, int)])
                                            .astype(np.int64)),
             sampled=[item for item, m in zip(scheduled, sampled_mask.tolist()) if m])
-
-    def _attention_metadata(self, slot_mapping: np.ndarray, query_start_loc: np.ndarray,
-                            seq_lens: np.ndarray, block_tables: np.ndarray) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_tables=self._to_device(block_tables),
-            max_query_len=int(np.diff(query_start_loc).max()), max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size,
-            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens.tolist())
-
-    def _block_tables(self, states: list[RequestState]) -> np.ndarray:
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_tables = np.zeros((len(states), max_blocks), dtype=np.int32)  # (B, max_blocks)
-        for i, state in enumerate(states):
-            block_tables[i, :len(state.block_ids)] = state.block_ids
-        return block_tables
 
     def _positions(self, states: list[RequestState], starts: np.ndarray,
                    num_new: np.ndarray, token_index: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from foveal.config import SpeculativeConfig
-from foveal.forward_context import AttentionMetadata, forward_context
+from foveal.forward_context import AttentionMetadata, block_table_array, forward_context
 
 if TYPE_CHECKING:
     from foveal.engine.plan import ModelRunnerOutput
@@ -127,22 +127,12 @@ class EagleProposer:
             extra = last // self.block_size + 1 - len(blocks)
             first = self.num_blocks + r * self.scratch_per_request
             rows.append(blocks + list(range(first, first + max(0, extra))))
-        table = np.zeros((len(rows), max(len(row) for row in rows)), dtype=np.int32)
-        for r, row in enumerate(rows):
-            table[r, :len(row)] = row
-        return table
+        return block_table_array(rows)
 
     def _chain_metadata(self, index: np.ndarray, tables: np.ndarray) -> AttentionMetadata:
         """One query per request at position `index`, over positions 0..index."""
         count = len(index)
         slots = (tables[np.arange(count), index // self.block_size].astype(np.int64)
                  * self.block_size + index % self.block_size)
-        seq_lens = index + 1
-        query_start_loc = np.arange(count + 1)
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(self.device),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(self.device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
-            block_tables=torch.from_numpy(tables).to(self.device),
-            max_query_len=1, max_seq_len=int(seq_lens.max()), block_size=self.block_size,
-            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens.tolist())
+        return AttentionMetadata.from_arrays(slots, np.arange(count + 1), index + 1, tables,
+                                             self.block_size, self.device)
