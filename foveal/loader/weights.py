@@ -81,7 +81,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     KV-cache scales (k_scale / v_scale / kv_scale) go to `kv_scales`.
     Raises CheckpointError naming the checkpoint tensors that match no parameter."""
     params = dict(model.named_parameters())
-    tied = getattr(model.config.text, "tie_word_embeddings", False)
+    # a decoder's config has .text; a draft head's (EagleConfig) ties nothing
+    tied = getattr(getattr(model.config, "text", None), "tie_word_embeddings", False)
     kv_scales = kv_scales or KVScaleCollector(model)
     loaded, unexpected = set(), []
     for hf_name, tensor in weights:
@@ -201,28 +202,19 @@ def load_draft_head(config: "EagleConfig", target: nn.Module, device: str, dtype
                               f"{config.draft_vocab_size} but no lm_head")
     with _default_dtype(getattr(torch, dtype)), torch.device(device):
         head = EagleHead(config, own_embeddings, own_lm_head, fc_bias="fc.bias" in names)
-    params = dict(head.named_parameters())
-    loaded, unexpected = set(), []
-    for hf_name, tensor in iterate_checkpoint(config.path):
-        base = hf_name.removeprefix("model.")
-        if base == "d2t":
-            head.d2t.copy_(tensor.long())
-            continue
-        if base in head.ignored_weights or (not config.is_eagle3
-                                            and base.endswith("input_layernorm.weight")):
-            continue  # EAGLE-1 runs its layer without an input norm
-        name, shard_id = _map_name(head, hf_name)
-        param = params.get(name) if name else None
-        if param is None:
-            unexpected.append(hf_name)
-            continue
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor.to(param.dtype),
-                                                               shard_id)
-        loaded.add(name)
-    if unexpected:
-        raise CheckpointError(f"draft head {config.path} holds weights an {config.method} head "
-                              f"does not have: {_names(unexpected)}")
-    missing = set(params) - loaded
+
+    def parameters() -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors but d2t (a buffer) and those the head does not keep."""
+        for hf_name, tensor in iterate_checkpoint(config.path):
+            base = hf_name.removeprefix("model.")
+            if base == "d2t":
+                head.d2t.copy_(tensor.long())
+            elif base not in head.ignored_weights and (
+                    config.is_eagle3 or not base.endswith("input_layernorm.weight")):
+                yield hf_name, tensor  # (EAGLE-1 runs its layer without an input norm)
+
+    loaded = load_named_weights(head, parameters())
+    missing = set(dict(head.named_parameters())) - loaded
     if missing:
         raise CheckpointError(f"draft head {config.path} lacks weights: {_names(missing)}")
     target_ids = torch.arange(config.draft_vocab_size, device=head.d2t.device) + head.d2t
