@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from foveal.config import TextConfig
 from foveal.eagle_train.data import (Sequence, generate_sequences, load_conversations,
                                      task_conversations)
 from foveal.eagle_train.graph import Eagle3Graph, save_head
@@ -49,8 +50,9 @@ class EagleTrainConfig:
     prompts: str | None = None  # JSONL of prompts (data.load_conversations); default: demo tasks
 
 
-def head_config(target: str, cfg: EagleTrainConfig, draft_vocab_size: int) -> EagleConfig:
-    text = model_config_from_hf(target).text
+def head_config(text: TextConfig, cfg: EagleTrainConfig, draft_vocab_size: int
+                ) -> EagleConfig:
+    """An EAGLE-3 head shaped like one layer of the target `text`."""
     return EagleConfig(
         method="eagle3", path="", hidden_size=text.hidden_size,
         intermediate_size=cfg.intermediate_size or text.intermediate_size,
@@ -125,7 +127,7 @@ def train_eagle(target: str, out: str | Path, cfg: EagleTrainConfig) -> Path:
                                        cfg.ignore_eos)
         torch.save(sequences, data_path)
     vocab = draft_vocabulary(sequences, text.vocab_size, cfg.draft_vocab_size)
-    graph = Eagle3Graph(head_config(target, cfg, len(vocab)))
+    graph = Eagle3Graph(head_config(text, cfg, len(vocab)))
     embedding, lm_head = _target_embedding_and_head(iterate_checkpoint(target), text)
     graph.set_draft_vocab(vocab, lm_head)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
