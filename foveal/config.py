@@ -130,6 +130,36 @@ class MultimodalConfig:
     processor_cache_size: int = 256 << 20
 
 
+ROLES = ("mixed", "encode", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Disaggregated serving: this engine's role and how it exchanges data.
+
+    role: "mixed" serves whole requests; "encode" runs only the vision tower
+        and exports embeddings by mm_hash; "prefill" and "decode" are whole
+        engines that export (prefill) or import (decode) a prompt's KV when a
+        request says so (any role but "encode" honours both).
+    host / advertise_host / port: where this engine's exports are served
+        (port 0: a free one; advertise_host: the name peers dial, if not host).
+    buffer_bytes: exports held for peers; ttl_s: how long an unclaimed KV
+        export is kept; timeout_s: the longest wait for one pull from a peer.
+    load_failure_policy: a pull that fails (peer gone, expired, corrupt,
+        mismatched) is "recompute"d here (the engine holds the whole request)
+        or "fail"s the request (TransferError, HTTP 503).
+    """
+
+    role: str = "mixed"
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 0
+    buffer_bytes: int = 2 << 30
+    ttl_s: float = 120.0
+    timeout_s: float = 30.0
+    load_failure_policy: str = "recompute"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -138,6 +168,7 @@ class EngineConfig:
     multimodal: MultimodalConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     dtype: str = "float32"  # resolved torch dtype name
     device: str = "cpu"  # resolved device
     load_format: str = "auto"  # "auto" (safetensors) | "dummy"

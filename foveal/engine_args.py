@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, replace
 
-from foveal.config import (CacheConfig, EngineConfig, ModelConfig, MultimodalConfig, ParallelConfig,
-                           SchedulerConfig, SpeculativeConfig, TextConfig)
+from foveal.config import (ROLES, CacheConfig, EngineConfig, ModelConfig, MultimodalConfig,
+                           ParallelConfig, SchedulerConfig, SpeculativeConfig, TextConfig,
+                           TransferConfig)
 from foveal.errors import ConfigError
 
 
@@ -41,6 +42,14 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     mm_encoder_tp_mode: str = "weights"  # "data": replicate the vision encoder, split items
     speculative_config: dict | None = None
+    role: str = "mixed"  # disaggregated serving: encode | prefill | decode | mixed
+    transfer_host: str = "127.0.0.1"
+    transfer_advertise_host: str | None = None
+    transfer_port: int = 0
+    transfer_buffer_bytes: int = 2 << 30
+    transfer_ttl_s: float = 120.0
+    transfer_timeout_s: float = 30.0
+    kv_load_failure_policy: str = "recompute"  # or "fail"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -92,6 +101,7 @@ class EngineArgs:
                                         processor_cache_size=self.processor_cache_size),
             parallel=parallel,
             speculative=self._speculative_config(max_model_len, model_config.text),
+            transfer=self._transfer_config(parallel.tensor_parallel_size),
             dtype=dtype,
             device=device,
             load_format=self.load_format,
@@ -129,6 +139,27 @@ class EngineArgs:
         elif config.model is not None:
             raise ConfigError(f"speculative method {config.method!r} takes no draft 'model'")
         return config
+
+    def _transfer_config(self, tp_size: int) -> TransferConfig:
+        if self.role not in ROLES:
+            raise ConfigError(f"role={self.role!r}; use one of {', '.join(ROLES)} (--role)")
+        if self.role in ("prefill", "decode") and tp_size > 1:
+            raise ConfigError(f"role={self.role!r} moves a prompt's KV between engines, which "
+                              "supports tensor_parallel_size=1 only for now")
+        if not 0 <= self.transfer_port < 65536:
+            raise ConfigError(f"transfer_port={self.transfer_port}; use 0 (any free port) or a "
+                              "port number (--transfer-port)")
+        for name in ("transfer_buffer_bytes", "transfer_ttl_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; it must be > 0 "
+                                  f"(--{name.replace('_', '-').removesuffix('-s')})")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(f"kv_load_failure_policy={self.kv_load_failure_policy!r}; use "
+                              "recompute or fail (--kv-load-failure-policy)")
+        return TransferConfig(self.role, self.transfer_host, self.transfer_advertise_host,
+                              self.transfer_port, self.transfer_buffer_bytes,
+                              self.transfer_ttl_s, self.transfer_timeout_s,
+                              self.kv_load_failure_policy)
 
     def _parallel_config(self) -> ParallelConfig:
         from foveal.executor import executor_names

@@ -60,3 +60,9 @@ class StageOverloadedError(StageError):
 
 class StageTimeoutError(StageError):
     """A stage item ran past its timeout; its worker was killed and replaced."""
+
+
+class TransferError(FovealError):
+    """A KV or embedding transfer between disaggregated workers failed: the
+    peer is unreachable or timed out, or the data was corrupt, truncated,
+    too large, expired or did not match this engine (HTTP 503)."""

@@ -26,12 +26,15 @@ from typing import Any, AsyncIterator
 
 from foveal.async_engine.core_process import EngineCoreProcess
 from foveal.async_engine.messages import (AbortRequests, CoreFailed, CoreOutputs, MetricsQuery,
-                                          MetricsReply, RequestRejected)
+                                          MetricsReply, RequestRejected, decode, encode)
 from foveal.async_engine.preprocess_pool import PreprocessedRequest, PreprocessPool
 from foveal.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from foveal.engine.request import EngineCoreOutput, RequestStatus
 from foveal.engine_args import EngineArgs
-from foveal.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError
+from foveal.disagg.exchange import (Exports, TransferRequest, parse_transfer_params,
+                                    prompt_digest)
+from foveal.errors import (ConfigError, EngineDeadError, EngineOverloadedError, FovealError,
+                           InvalidRequestError)
 from foveal.input_processor import PromptType
 from foveal.input_processor.prompt import has_video
 from foveal.sampling_params import SamplingParams
@@ -54,6 +57,10 @@ class _RequestStream:
     prompt_token_ids: list[int] = field(default_factory=list)
     preprocess_time: float | None = None
     mm_plan: list | None = None
+    mm_hashes: list[str] = field(default_factory=list)
+    mm_rows: dict[str, int] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # set when its prompt KV is exported
+    ec_transfer_params: dict | None = None  # set when its embeddings are exported
     in_core: bool = False
     finished: bool = False
 
@@ -92,6 +99,9 @@ class AsyncLLM:
         self._dead_error: EngineDeadError | None = None
         self._shut_down = False
         self.stage_pools, self._owns_stage_pools = stage_pools_for(stages)
+        self.role = self.engine_config.transfer.role
+        self._exports = Exports(self.engine_config)  # served to disaggregated peers
+        self._transfer_counts = dict.fromkeys(("pulls", "bytes", "seconds", "failures"), 0)
         # The pool first: its workers spawn while the core loads the model.
         self._pool = PreprocessPool(self.engine_config, preprocess_workers)
         try:
@@ -104,18 +114,28 @@ class AsyncLLM:
         self._output_thread.start()
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None,
-                       request_id: str, *, stream: bool = True
+                       request_id: str, *, stream: bool = True,
+                       kv_transfer_params: dict | None = None,
+                       ec_transfer_params: dict | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield deltas (stream=True) or one final cumulative output (stream=False).
 
         Invalid requests raise their InvalidRequestError before anything is
         yielded. Stopping early (aclose, cancellation) aborts the request.
+        kv_transfer_params / ec_transfer_params: disaggregated serving
+        (foveal/disagg/exchange.py); the final output carries what this
+        engine exported for the next worker.
         """
+        transfer = parse_transfer_params(kv_transfer_params, ec_transfer_params)
+        params = self._transfer_sampling_params(sampling_params or SamplingParams(), transfer)
         record = self._register(request_id, stream)
         try:
-            processed = await self._preprocess(request_id, prompt,
-                                               sampling_params or SamplingParams())
-            self._submit(request_id, record, processed)
+            processed = await self._preprocess(request_id, prompt, params, transfer)
+            self._count_transfers(processed.transfer_stats)
+            if self.role == "encode":
+                self._submit_encode(request_id, record, processed)
+            else:
+                self._submit(request_id, record, processed)
             while True:
                 item = await record.queue.get()
                 if isinstance(item, BaseException):
@@ -126,8 +146,58 @@ class AsyncLLM:
         finally:
             self._release(request_id, record)
 
+    def _transfer_sampling_params(self, params: SamplingParams,
+                                  transfer: TransferRequest) -> SamplingParams:
+        if transfer and self.engine_config.parallel.tensor_parallel_size > 1:
+            raise InvalidRequestError("moving a prompt's KV between engines needs "
+                                      "tensor_parallel_size=1 on both")
+        if self.role == "encode" and (transfer.export_kv or transfer.kv_source):
+            raise InvalidRequestError("an encode worker holds no KV: send kv_transfer_params "
+                                      "to prefill and decode workers")
+        if not transfer.export_kv:
+            return params
+        if params.n != 1:
+            raise InvalidRequestError("a prefill for a decode worker needs n=1")
+        # The prefill ends at its first token; the decode worker samples its own.
+        return dataclasses.replace(params, max_tokens=1, min_tokens=0)
+
+    def _count_transfers(self, stats) -> None:
+        if stats is None:
+            return
+        with self._lock:
+            counts = self._transfer_counts
+            counts["pulls"] += stats.num_pulls
+            counts["bytes"] += stats.num_bytes
+            counts["seconds"] += stats.seconds
+            counts["failures"] += len(stats.failures)
+
+    def _submit_encode(self, request_id: str, record: _RequestStream,
+                       processed: PreprocessedRequest) -> None:
+        """An encode worker's request: only the items its export store lacks
+        go to the core; with none missing the answer is immediate."""
+        record.mm_rows = processed.mm_rows
+        held = self._exports.held_embeddings(processed.mm_hashes)
+        if len(held) == len(set(processed.mm_hashes)):
+            with self._lock:
+                if record.finished:
+                    return
+                record.finished = True
+                completion = CompletionOutput(0, "", [], None, None, finish_reason="stop")
+                record.put(RequestOutput(request_id, processed.prompt, processed.prompt_token_ids,
+                                         [completion], finished=True,
+                                         ec_transfer_params=self._exports.embedding_params(
+                                             processed.mm_rows)))
+            return
+        if held:
+            message = decode(processed.add_request_frame)
+            message.request.mm_features = [f for f in message.request.mm_features
+                                           if f.mm_hash not in held]
+            processed.add_request_frame = encode(message)
+        self._submit(request_id, record, processed)
+
     async def _preprocess(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams) -> PreprocessedRequest:
+                          params: SamplingParams, transfer: TransferRequest | None = None
+                          ) -> PreprocessedRequest:
         """The pool's request; a prompt with videos first has their speech transcribed."""
         start = time.perf_counter()
         transcripts = None
@@ -135,7 +205,8 @@ class AsyncLLM:
             speech = await self._pool.video_speech(request_id, prompt)
             if speech and any(speech):
                 transcripts = await video_transcripts(self.stage_pools, speech)
-        processed = await self._pool.process(request_id, prompt, params, transcripts)
+        processed = await self._pool.process(request_id, prompt, params, transcripts,
+                                             transfer or None)
         processed.preprocess_time = time.perf_counter() - start
         return processed
 
@@ -163,6 +234,8 @@ class AsyncLLM:
             record.prompt, record.prompt_token_ids = processed.prompt, processed.prompt_token_ids
             record.preprocess_time = processed.preprocess_time
             record.mm_plan = processed.mm_plan
+            record.mm_hashes = processed.mm_hashes
+            record.mm_rows = processed.mm_rows
             self._output_processor.add_request(
                 request_id, processed.prompt, processed.prompt_token_ids,
                 processed.sampling_params, record.arrival_time, stream_delta=record.stream)
@@ -203,8 +276,20 @@ class AsyncLLM:
             record.put(RequestOutput(request_id, record.prompt, record.prompt_token_ids,
                                      [completion], finished=True))
 
+    def transfer_metrics(self) -> dict[str, float]:
+        """Disaggregation: pulls from peers (bytes, seconds, refused) and exports served."""
+        with self._lock:
+            counts = dict(self._transfer_counts)
+        metrics = {f"foveal:transfer_{name}_total": value for name, value in counts.items()}
+        for name, value in self._exports.stats().items():
+            metrics[f"foveal:transfer_export_{name}"] = value
+        return metrics
+
     async def get_metrics(self) -> dict[str, float]:
-        """The core's counters and gauges (names as LLM.get_metrics())."""
+        """The core's counters and gauges (names as LLM.get_metrics()), and transfers."""
+        return {**await self._core_metrics(), **self.transfer_metrics()}
+
+    async def _core_metrics(self) -> dict[str, float]:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_dead()
@@ -259,8 +344,28 @@ class AsyncLLM:
             with self._lock:
                 self._dead_error = EngineDeadError(f"the engine core failed: {message.message}")
 
+    def _export(self, core_outputs: list[EngineCoreOutput]) -> None:
+        """Caller holds the lock. A finished prefill's KV and an encode's
+        embeddings go to the export store; the final output names them."""
+        for core_output in core_outputs:
+            record = self._requests.get(core_output.request_id)
+            if record is None or record.finished:
+                continue
+            try:
+                if core_output.kv_export is not None:
+                    digest = prompt_digest(record.prompt_token_ids, record.mm_hashes)
+                    record.kv_transfer_params = self._exports.put_kv(
+                        core_output.request_id, core_output.kv_export,
+                        len(record.prompt_token_ids), digest)
+                if core_output.embeddings is not None:
+                    self._exports.put_embeddings(core_output.embeddings)
+                    record.ec_transfer_params = self._exports.embedding_params(record.mm_rows)
+            except FovealError as error:  # e.g. the export store cannot hold it
+                core_output.finish_reason, core_output.error = "error", str(error)
+
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
         with self._lock:
+            self._export(core_outputs)
             outputs, stopped_ids = self._output_processor.process(core_outputs)
             if stopped_ids:  # stop strings, found here by the detokenizer
                 self._abort_in_core(stopped_ids, RequestStatus.FINISHED_STOPPED)
@@ -275,6 +380,9 @@ class AsyncLLM:
                     output.metrics = dataclasses.replace(
                         output.metrics, preprocess_time=record.preprocess_time)
                 output.mm_plan = record.mm_plan
+                if output.finished:
+                    output.kv_transfer_params = record.kv_transfer_params
+                    output.ec_transfer_params = record.ec_transfer_params
                 record.put(output)
 
     def _fail_all(self, error: EngineDeadError) -> None:
@@ -303,6 +411,7 @@ class AsyncLLM:
         self._output_thread.join()
         self._core.close()
         self._pool.shutdown()
+        self._exports.close()
         if self._owns_stage_pools:
             self.stage_pools.close()
 

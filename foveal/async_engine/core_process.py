@@ -46,7 +46,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
         core = build_engine_core(config)
         executor = core.executor
-        outputs.send(encode(CoreReady(core.scheduler.kv.num_blocks)))
+        outputs.send(encode(CoreReady(core.num_blocks)))
         _CoreLoop(core, inputs, outputs).run()
     except BaseException as error:  # reported to the API process, then the process exits
         traceback.print_exc()

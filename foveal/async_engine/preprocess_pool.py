@@ -44,6 +44,10 @@ class PreprocessedRequest:
     add_request_frame: bytes
     preprocess_time: float = 0.0
     mm_plan: list = field(default_factory=list)
+    mm_hashes: list[str] = field(default_factory=list)
+    # media items by mm_hash -> visual tokens (what an encode worker exports)
+    mm_rows: dict[str, int] = field(default_factory=dict)
+    transfer_stats: Any = None  # foveal.disagg.exchange.TransferStats of its pulls
 
 
 _worker_processor: InputProcessor | None = None
@@ -65,13 +69,24 @@ def _init_worker(config: EngineConfig) -> None:
 
 
 def _preprocess(processor: InputProcessor, request_id: str, prompt: PromptType,
-                params: SamplingParams, transcripts: Sequence[str | None] | None
-                ) -> PreprocessedRequest:
+                params: SamplingParams, transcripts: Sequence[str | None] | None,
+                transfer: Any = None) -> PreprocessedRequest:
+    """transfer: a foveal.disagg.exchange.TransferRequest: what to pull from
+    peers (embeddings, prompt KV) before the request goes to the core."""
     processed = processor.process(request_id, prompt, params, transcripts)
     request = processed.request
+    stats = None
+    if transfer:
+        from foveal.disagg.exchange import pull_into
+
+        stats = pull_into(request, transfer, processor.config)
+    features = request.mm_features
     return PreprocessedRequest(request_id, processed.text, request.prompt_token_ids,
                                request.sampling_params, encode(AddRequest(request)),
-                               mm_plan=processed.mm_plan)
+                               mm_plan=processed.mm_plan,
+                               mm_hashes=[f.mm_hash for f in features],
+                               mm_rows={f.mm_hash: f.placeholder.length for f in features},
+                               transfer_stats=stats)
 
 
 def _video_speech(processor: InputProcessor, prompt: PromptType) -> list[bytes | None] | None:
@@ -116,11 +131,14 @@ class PreprocessPool:
         return executor
 
     async def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                      transcripts: Sequence[str | None] | None = None) -> PreprocessedRequest:
+                      transcripts: Sequence[str | None] | None = None,
+                      transfer: Any = None) -> PreprocessedRequest:
         """Raises the InvalidRequestError the InputProcessor raised. transcripts:
-        one per video, made from `video_speech` (InputProcessor.process)."""
+        one per video, made from `video_speech` (InputProcessor.process).
+        transfer: what to pull from disaggregated peers (exchange.TransferRequest)."""
         start = time.perf_counter()
-        result = await self._call(request_id, _preprocess, request_id, prompt, params, transcripts)
+        result = await self._call(request_id, _preprocess, request_id, prompt, params,
+                                  transcripts, transfer)
         result.preprocess_time = time.perf_counter() - start
         return result
 

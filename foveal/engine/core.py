@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol
 
-from foveal.engine.plan import ModelRunnerOutput, StepPlan
+from foveal.engine.plan import ModelRunnerOutput, StepPlan, kv_payload_key
 from foveal.engine.request import EngineCoreOutput, Request, RequestStatus
 from foveal.engine.scheduler import Scheduler
 
@@ -20,6 +20,10 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
 
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.kv.num_blocks
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
@@ -32,17 +36,23 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids and not plan.freed_mm_hashes:
             return []
-        runner_output = self.executor.execute(plan, self._encoder_payloads(plan))
+        runner_output = self.executor.execute(plan, self._payloads(plan))
         return self.scheduler.update_from_output(plan, runner_output)
 
-    def _encoder_payloads(self, plan: StepPlan) -> dict[str, dict]:
-        """Pixels travel beside the plan, once per encode: only for the items
-        the workers run through the encoder this step."""
+    def _payloads(self, plan: StepPlan) -> dict[str, dict]:
+        """Arrays travel beside the plan, once: pixels (or imported embeddings)
+        of the items the workers encode this step, by mm_hash; imported KV
+        blocks of the requests admitted with them, which the engine then drops
+        (a request preempted later recomputes its prompt)."""
         payloads: dict[str, dict] = {}
         for request_id, indices in plan.scheduled_encoder_inputs.items():
             features = self.scheduler.requests[request_id].mm_features
             for index in indices:
                 payloads.setdefault(features[index].mm_hash, features[index].payload)
+        for request_id in plan.kv_imports:
+            request = self.scheduler.requests[request_id]
+            payloads[kv_payload_key(request_id)] = request.kv_import.blocks
+            request.kv_import = None
         return payloads
 
     def has_unfinished_requests(self) -> bool:

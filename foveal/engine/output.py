@@ -61,6 +61,10 @@ class RequestOutput:
     # The downsampling planner's choice per media item, in prompt order
     # (foveal.multimodal.budget.ItemPlan: modality, max_pixels, num_frames, num_tokens, detail).
     mm_plan: list | None = None
+    # Disaggregated serving, on the final output: where a decode worker pulls
+    # this prompt's KV (prefill), or a prefill worker the embeddings (encode).
+    kv_transfer_params: dict | None = None
+    ec_transfer_params: dict | None = None
 
 
 class IncrementalDetokenizer:

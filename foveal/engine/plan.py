@@ -95,6 +95,11 @@ class StepPlan:
     kv_transfer: block copies to and from the KV offload tier, or None.
     encoder_transfer: encoder outputs to load from / save to an encoder
         connector, or None.
+    kv_imports: request id -> (index into the request's imported blocks,
+        pool block id) pairs: KV a prefill worker computed, written before the
+        forward; the blocks travel beside the plan (`kv_payload_key`).
+    kv_exports: request id -> prompt tokens whose KV the workers copy out
+        after this step's forward, for a decode worker to continue from.
     """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -106,6 +111,8 @@ class StepPlan:
     finished_request_ids: set[str] = field(default_factory=set)
     kv_transfer: KVTransferPlan | None = None
     encoder_transfer: EncoderTransferPlan | None = None
+    kv_imports: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    kv_exports: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -144,3 +151,12 @@ class ModelRunnerOutput:
     # request id -> error message for requests whose inputs failed in the
     # worker (e.g. an encoder input that could not be run); they fail alone.
     failed_requests: dict[str, str] = field(default_factory=dict)
+    # request id -> its prompt's KV blocks (StepPlan.kv_exports), host tensors:
+    # "kv" (num_layers, 2, num_blocks, block_size, Hkv, D) and, quantized, "scales"
+    kv_exports: dict[str, dict] = field(default_factory=dict)
+
+
+def kv_payload_key(request_id: str) -> str:
+    """Key of a request's imported KV blocks among the arrays that travel beside
+    a plan (media payloads are keyed by mm_hash, a hex digest: no clash)."""
+    return f"kv:{request_id}"

@@ -41,6 +41,16 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
+@dataclass
+class KVImport:
+    """Prompt KV computed elsewhere. blocks: host tensors as
+    ModelRunnerOutput.kv_exports holds them, opaque to the scheduler;
+    num_tokens: prompt tokens they cover (the last block may be partial)."""
+
+    num_tokens: int
+    blocks: dict
+
+
 class Request:
     """One generation request as the scheduler tracks it.
 
@@ -50,6 +60,11 @@ class Request:
                          computed so far (filled by the KV manager).
     spec_token_ids:      draft tokens a proposer guessed after all_token_ids,
                          scheduled for verification like any other tokens.
+    export_kv:           disaggregated prefill: copy the prompt's KV out when
+                         the prompt is computed, for a decode worker.
+    kv_import:           disaggregated decode: the prompt KV a prefill worker
+                         computed, written into this request's first blocks at
+                         admission (then dropped: a preempted request recomputes).
     """
 
     def __init__(
@@ -76,6 +91,8 @@ class Request:
         self.error_message: str | None = None
         self.block_hashes: list[bytes] = []
         self.spec_token_ids: list[int] = []
+        self.export_kv = False
+        self.kv_import: KVImport | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +141,10 @@ class EngineCoreOutput:
     new_logprobs: list[Logprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    # disaggregation: the prompt's KV blocks (export_kv), or, from an encode
+    # worker, mm_hash -> embeddings (host tensors, opaque here)
+    kv_export: dict | None = None
+    embeddings: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -214,10 +214,11 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget.tokens_left)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            num_imported = self._num_importable(request, num_hit)
+            num_new = min(request.num_tokens - num_hit - num_imported, budget.tokens_left)
+            if self.kv.allocate_slots(request, num_imported + num_new, computed_blocks) is None:
                 break
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_imported
             num_new, encoder_inputs = self._schedule_encoder(request, num_new, budget)
             if num_new == 0:
                 self.kv.free(request)
@@ -227,11 +228,23 @@ class Scheduler:
             self._admit(request, num_hit)
             block_ids = self.kv.block_ids(request.request_id)
             self._num_blocks_sent[request.request_id] = len(block_ids)
+            if num_imported:
+                first, end = num_hit // self.kv.block_size, self.kv.blocks_needed(
+                    request.num_computed_tokens)
+                plan.kv_imports[request.request_id] = [(i, block_ids[i]) for i in range(first, end)]
+                self.stats.kv_imported_tokens += num_imported
             plan.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids),
                 [feature.without_payload() for feature in request.mm_features],
                 request.sampling_params, block_ids, request.num_computed_tokens))
             self._record(plan, budget, request, num_new, encoder_inputs)
+
+    def _num_importable(self, request: Request, num_hit: int) -> int:
+        """Tokens past the local prefix hit whose KV came with the request from a
+        prefill worker; the last known token is always computed here (its logits)."""
+        if request.kv_import is None:
+            return 0
+        return max(0, min(request.kv_import.num_tokens, request.num_tokens - 1) - num_hit)
 
     def _admit(self, request: Request, num_hit: int) -> None:
         self.running.append(request)
@@ -262,11 +275,14 @@ class Scheduler:
             if not cached:
                 remote = (self.encoder_connector is not None
                           and self.encoder_connector.contains(feature.mm_hash))
-                compute_left = budget.encoder_tokens_left if not remote else feature.num_encoder_tokens
+                free = remote or feature.is_encoded  # loaded, or encoded by an encode worker
+                compute_left = budget.encoder_tokens_left if not free else feature.num_encoder_tokens
                 if not self.encoder.can_allocate(feature, compute_left):
                     return max(0, placeholder.offset - start), to_encode
                 if remote:
                     self.encoder_connector.load(feature.mm_hash)
+                elif feature.is_encoded:  # its embeddings travel like pixels, cost no compute
+                    to_encode.append(index)
                 else:
                     budget.encoder_tokens_left -= feature.num_encoder_tokens
                     to_encode.append(index)
@@ -281,6 +297,9 @@ class Scheduler:
                 encoder_inputs: list[int]) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_new
         budget.tokens_left -= num_new
+        if request.export_kv and request.num_output_tokens == 0 \
+                and request.num_computed_tokens + num_new == request.num_tokens:
+            plan.kv_exports[request.request_id] = request.num_tokens
         if encoder_inputs:
             plan.scheduled_encoder_inputs[request.request_id] = encoder_inputs
 
@@ -306,6 +325,9 @@ class Scheduler:
             self._release_consumed_items(request)
             if token_ids:
                 outputs.append(self._emit(request, kept, status, runner_output))
+                outputs[-1].kv_export = runner_output.kv_exports.get(request_id)
+                if outputs[-1].kv_export is not None:
+                    self.stats.kv_exported_tokens += plan.kv_exports[request_id]
             if request.status == RequestStatus.RUNNING:
                 self._take_drafts(request, runner_output.spec_token_ids.get(request_id))
         return outputs

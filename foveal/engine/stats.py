@@ -20,6 +20,8 @@ class SchedulerStats:
     kv_offload_saves: int = 0  # blocks copied into it
     kv_offload_bytes: int = 0  # gauge: bytes it holds
     num_preemptions: int = 0
+    kv_imported_tokens: int = 0  # disaggregated decode: prompt tokens whose KV came in
+    kv_exported_tokens: int = 0  # disaggregated prefill: prompt tokens whose KV went out
     num_drafts: int = 0  # verifications: steps x requests that carried drafts
     num_draft_tokens: int = 0  # speculative tokens verified
     num_draft_tokens_rejected: int = 0
@@ -68,6 +70,8 @@ class SchedulerStats:
             "foveal:kv_offload_saves_total": self.kv_offload_saves,
             "foveal:kv_offload_bytes": self.kv_offload_bytes,
             "foveal:num_preemptions_total": self.num_preemptions,
+            "foveal:kv_imported_tokens_total": self.kv_imported_tokens,
+            "foveal:kv_exported_tokens_total": self.kv_exported_tokens,
             "foveal:kv_cache_usage_perc": kv_cache_usage,
             "foveal:kv_cache_capacity_tokens": self.kv_cache_capacity_tokens,
             f'foveal:kv_cache_info{{kv_cache_dtype="{self.kv_cache_dtype}"}}': 1,

@@ -18,6 +18,7 @@ _SUBCOMMANDS = (
     "foveal.demo_model.cli",
     "foveal.eagle_train.cli",
     "foveal.stages.cli",
+    "foveal.disagg.router_cli",
 )
 
 

@@ -44,6 +44,7 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags, with --max-visual-tokens as the default planner budget
     (a request's mm_processor_kwargs.max_visual_tokens overrides it)."""
     kwargs = engine_kwargs(args)
+    kwargs.update({key: getattr(args, flag) for flag, key in _TRANSFER_FLAGS.items()})
     if args.max_visual_tokens is not None:
         if args.max_visual_tokens < 1:
             raise ConfigError(f"--max-visual-tokens {args.max_visual_tokens}: must be >= 1")
@@ -64,8 +65,48 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_kwargs(model_dir, **serve_engine_kwargs(args))
     engine = AsyncLLM(engine_args, preprocess_workers=args.preprocess_workers,
                       max_pending_requests=args.max_pending_requests, stages=config.stages)
-    serve(engine, config, args.host, args.port)
+    services = ()
+    if args.router:
+        from foveal.disagg.registration import RouterRegistration
+
+        role = "decode" if args.role == "mixed" else args.role
+        services = (RouterRegistration(args.router, role, f"http://{args.host}:{args.port}",
+                                       args.router_api_key),)
+    serve(engine, config, args.host, args.port, services)
     return 0
+
+
+_TRANSFER_FLAGS = {"role": "role", "transfer_host": "transfer_host",
+                   "transfer_advertise_host": "transfer_advertise_host",
+                   "transfer_port": "transfer_port", "transfer_buffer_bytes": "transfer_buffer_bytes",
+                   "transfer_ttl": "transfer_ttl_s", "transfer_timeout": "transfer_timeout_s",
+                   "kv_load_failure_policy": "kv_load_failure_policy"}
+
+
+def add_disagg_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("disaggregated serving (foveal router)")
+    group.add_argument("--role", choices=["mixed", "encode", "prefill", "decode"], default="mixed",
+                       help="encode: vision tower only, exports embeddings; prefill / decode: "
+                            "export / import a prompt's KV when a router asks; mixed: whole "
+                            "requests (also honours transfer requests)")
+    group.add_argument("--router", metavar="URL",
+                       help="join this router's pool for --role at startup, leave it at exit "
+                            "(a mixed server joins the decode pool)")
+    group.add_argument("--router-api-key", help="the router's --api-key, if it has one")
+    group.add_argument("--transfer-host", default="127.0.0.1",
+                       help="interface the transfer server (KV, embeddings) listens on")
+    group.add_argument("--transfer-advertise-host",
+                       help="host name peers dial for transfers (default: --transfer-host)")
+    group.add_argument("--transfer-port", type=int, default=0, help="0: any free port")
+    group.add_argument("--transfer-buffer-bytes", type=int, default=2 << 30,
+                       help="bytes of exports (KV, embeddings) held for peers")
+    group.add_argument("--transfer-ttl", type=float, default=120.0,
+                       help="seconds an unclaimed KV export is kept")
+    group.add_argument("--transfer-timeout", type=float, default=30.0,
+                       help="seconds one pull from a peer may take")
+    group.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"],
+                       default="recompute",
+                       help="a pull that fails: compute it here, or fail the request (503)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -99,5 +140,6 @@ def register(subparsers) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint folder (default: the shipped demo model)")
     add_server_args(parser)
     add_engine_args(parser)
+    add_disagg_args(parser)
     add_engine_stage_args(parser.add_argument_group("preprocessing stages (PDF, OCR, ASR)"))
     parser.set_defaults(func=run_serve)

@@ -40,7 +40,8 @@ def get_executor_class(name: str) -> type:
 
 def build_engine_core(engine_config: EngineConfig, encoder_connector: Any = None,
                       encoder_connector_worker: Any = None) -> EngineCore:
-    """Executor + scheduler sized to the KV pool the workers allocated.
+    """Executor + scheduler sized to the KV pool the workers allocated; for
+    role "encode", an EncodeCore (foveal/disagg/encode_core.py) instead.
 
     encoder_connector / encoder_connector_worker: the scheduler and worker
     halves of an encoder-output connector (foveal/engine/encoder_connector.py),
@@ -50,6 +51,10 @@ def build_engine_core(engine_config: EngineConfig, encoder_connector: Any = None
 
     executor_class = get_executor_class(engine_config.parallel.distributed_executor_backend)
     executor = executor_class(engine_config, encoder_connector_worker)
+    if engine_config.transfer.role == "encode":
+        from foveal.disagg.encode_core import EncodeCore
+
+        return EncodeCore(executor, engine_config.scheduler.encoder_compute_budget)
     scheduler = build_scheduler(engine_config.scheduler, engine_config.cache,
                                 executor.num_blocks, executor.block_bytes, encoder_connector)
     spec = executor.kv_cache_spec

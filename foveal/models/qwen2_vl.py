@@ -90,6 +90,12 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         tied = self.language_model.embed_tokens if text.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, tied_embedding=tied)
 
+    def keep_vision_only(self) -> None:
+        """For an encode worker: free the text decoder's layers. The vision tower
+        stays, and so do the token embeddings and LM head (they name the device
+        and dtype the tower's outputs take)."""
+        self.language_model.layers = nn.ModuleList()
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(input_ids)  # (T, hidden)
 

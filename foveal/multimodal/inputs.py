@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# data key of an item's embeddings, (placeholder.length, text hidden size)
+ENCODED_KEY = "embeddings"
+
+
 @dataclass(frozen=True)
 class PlaceholderRange:
     """Token positions [offset, offset + length) that the item's embeddings fill."""
@@ -47,6 +51,12 @@ class MMFeature:
     @property
     def num_encoder_tokens(self) -> int:
         return self.placeholder.length
+
+    @property
+    def is_encoded(self) -> bool:
+        """Whether the payload is the item's embeddings (from an encode worker)
+        rather than pixels: the workers cache them instead of running the tower."""
+        return ENCODED_KEY in self.data
 
     @property
     def payload(self) -> dict[str, Any]:

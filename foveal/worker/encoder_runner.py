@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from foveal.multimodal.inputs import MMFeature
+from foveal.multimodal.inputs import ENCODED_KEY, MMFeature
 
 
 @dataclass
@@ -54,19 +54,35 @@ class EncoderCache:
         """
         owners: dict[str, list[str]] = {}
         pending: dict[str, MMFeature] = {}
+        imported = EncodeResult()
         for request_id, feature in scheduled:
             if feature.mm_hash in self._embeddings:
+                continue
+            if feature.is_encoded:  # an encode worker's output: no tower to run
+                self._import(request_id, feature, imported)
                 continue
             owners.setdefault(feature.mm_hash, []).append(request_id)
             pending.setdefault(feature.mm_hash, feature)
         if not pending:
-            return EncodeResult()
+            return imported
         features = list(pending.values())
         try:
             self._store(features, model.embed_multimodal(features))
-            return EncodeResult(num_items_run=len(features))
+            result = EncodeResult(num_items_run=len(features))
         except Exception:  # noqa: BLE001 - isolated per item below
-            return self._encode_one_by_one(model, features, owners)
+            result = self._encode_one_by_one(model, features, owners)
+        result.failed_requests.update(imported.failed_requests)
+        return result
+
+    def _import(self, request_id: str, feature: MMFeature, result: EncodeResult) -> None:
+        embeddings = feature.data[ENCODED_KEY]
+        if embeddings.ndim != 2 or embeddings.shape[0] != feature.placeholder.length:
+            result.failed_requests[request_id] = (
+                f"imported embeddings of {feature.modality} item {feature.mm_hash} have shape "
+                f"{tuple(embeddings.shape)}; its placeholder has {feature.placeholder.length} "
+                f"tokens")
+            return
+        self._embeddings[feature.mm_hash] = embeddings
 
     def _encode_one_by_one(self, model, features: list[MMFeature],
                            owners: dict[str, list[str]]) -> EncodeResult:

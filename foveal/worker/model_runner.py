@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from foveal.config import EngineConfig
-from foveal.engine.plan import ModelRunnerOutput, NewRequestData, StepPlan
+from foveal.engine.plan import ModelRunnerOutput, NewRequestData, StepPlan, kv_payload_key
 from foveal.forward_context import AttentionMetadata, block_table_array, forward_context
 from foveal.layers.attention.kv_spec import KVCaches
-from foveal.multimodal.inputs import MMFeature
+from foveal.multimodal.inputs import ENCODED_KEY, MMFeature
 from foveal.sampling_params import SamplingParams
 from foveal.worker.encoder_connector import EncoderConnectorWorker
 from foveal.worker.encoder_runner import EncoderCache
@@ -95,20 +95,22 @@ class ModelRunner:
     def execute(self, plan: StepPlan, mm_payloads: dict[str, dict] | None = None
                 ) -> ModelRunnerOutput:
         """mm_payloads: mm_hash -> array data (pixels) of the items encoded this step."""
+        payloads = mm_payloads or {}
         self._update_states(plan)
         self.encoder_cache.drop(plan.freed_mm_hashes)
         if plan.kv_transfer:
             self.kv_offload.apply(plan.kv_transfer)  # before the forward reads or overwrites
+        imports_failed = self._import_kv(plan.kv_imports, payloads)
         if plan.encoder_transfer:
             self.encoder_connector.load(plan.encoder_transfer, self.encoder_cache, self.device)
         encoded = self.encoder_cache.encode(self.model, [
-            (request_id, self._with_payload(request_id, index, mm_payloads or {}))
+            (request_id, self._with_payload(request_id, index, payloads))
             for request_id, indices in plan.scheduled_encoder_inputs.items()
             for index in indices])
         if plan.encoder_transfer:
             self.encoder_connector.save(plan.encoder_transfer, self.encoder_cache)
         output = ModelRunnerOutput(num_encoder_items_run=encoded.num_items_run,
-                                   failed_requests=encoded.failed_requests)
+                                   failed_requests={**imports_failed, **encoded.failed_requests})
         scheduled = self._select_requests(plan, output.failed_requests)
         if not scheduled:
             return output
@@ -126,7 +128,33 @@ class ModelRunner:
             self.sampling.sample(hidden_states[batch.logits_indices], batch.sampled, output)
         if self.drafter is not None:
             self.drafter.propose(batch, scheduled, features, output)
+        self._export_kv(plan.kv_exports, output)
         return output
+
+    def _import_kv(self, kv_imports: dict[str, list[tuple[int, int]]],
+                   payloads: dict[str, dict]) -> dict[str, str]:
+        """Write the prompt KV that came from a prefill worker into the
+        requests' blocks; a request whose blocks do not fit this pool fails alone."""
+        failed = {}
+        for request_id, pairs in kv_imports.items():
+            blocks = payloads[kv_payload_key(request_id)]
+            indices = torch.tensor([index for index, _ in pairs])
+            try:
+                self.kv_caches.write_stacked([block_id for _, block_id in pairs],
+                                             {name: t.index_select(2, indices)
+                                              for name, t in blocks.items()})
+            except (ValueError, IndexError, RuntimeError) as error:
+                failed[request_id] = f"the imported KV blocks do not fit this engine: {error}"
+        return failed
+
+    def _export_kv(self, kv_exports: dict[str, int], output: ModelRunnerOutput) -> None:
+        """Host copies of the prompt KV of requests a decode worker continues."""
+        for request_id, num_tokens in kv_exports.items():
+            if request_id in output.failed_requests or request_id not in self.requests:
+                continue
+            num_blocks = -(-num_tokens // self.block_size)
+            block_ids = self.requests[request_id].block_ids[:num_blocks]
+            output.kv_exports[request_id] = self.kv_caches.read_stacked(block_ids)
 
     def _update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
@@ -144,7 +172,10 @@ class ModelRunner:
                       mm_payloads: dict[str, dict]) -> MMFeature:
         """The scheduled item with its pixels, which the plan does not carry."""
         feature = self.requests[request_id].mm_features[index]
-        return feature.with_payload(mm_payloads.get(feature.mm_hash, {}))
+        payload = mm_payloads.get(feature.mm_hash, {})
+        if ENCODED_KEY in payload:  # imported embeddings: straight into the encoder cache
+            payload = {ENCODED_KEY: payload[ENCODED_KEY].to(self.device)}
+        return feature.with_payload(payload)
 
     def _add_request(self, new: NewRequestData) -> None:
         # A resumed (preempted) request keeps its generator: it has drawn one

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from foveal.config import EngineConfig
 from foveal.distributed import get_tp_size
 from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
 from foveal.layers.attention.kv_spec import KVCacheSpec
 from foveal.layers.linear import prepack_weights
+from foveal.multimodal.inputs import MMFeature
 from foveal.worker.device import torch_dtype
+from foveal.worker.encoder_runner import EncoderCache
 from foveal.worker.kv_cache import available_kv_memory, kv_cache_spec
 from foveal.worker.kv_offload import KVOffloadWorker
 from foveal.worker.model_runner import ModelRunner
@@ -40,6 +44,8 @@ class Worker:
         from foveal.loader.weights import load_model
 
         self.model = load_model(self.config)
+        if self.config.transfer.role == "encode":
+            self.model.keep_vision_only()  # an encode worker never runs the text decoder
         self.draft_head = self._load_draft_head()
         prepack_weights(self.model)  # CPU fp32: oneDNN-blocked GEMM weights
         if self.draft_head is not None:
@@ -61,6 +67,8 @@ class Worker:
     def determine_num_blocks(self) -> int:
         """Blocks this rank's memory holds; call after load_model, so free
         device memory already excludes the weights."""
+        if self.config.transfer.role == "encode":
+            return 0
         memory_bytes = available_kv_memory(self.config.cache, self.config.device)
         if self.draft_head is not None:  # the head's KV shares the pool's block ids
             block = self.kv_cache_spec.block_bytes
@@ -85,6 +93,17 @@ class Worker:
         if self.model_runner is None:
             raise EngineDeadError("the worker was shut down; start a new engine")
         return self.model_runner.execute(plan, mm_payloads or {})
+
+    def encode(self, features: list[MMFeature], payloads: dict[str, dict]) -> dict:
+        """An encode worker's step: every item through the vision tower.
+        -> {"embeddings": mm_hash -> host tensor, "failed": mm_hash -> why}."""
+        cache = EncoderCache()
+        with torch.inference_mode():
+            result = cache.encode(self.model, [
+                (f.mm_hash, f.with_payload(payloads.get(f.mm_hash, {}))) for f in features])
+        return {"embeddings": {f.mm_hash: cache.get(f.mm_hash).to("cpu")
+                               for f in features if f.mm_hash in cache},
+                "failed": result.failed_requests}
 
     def shutdown(self) -> None:
         """Drop the model and the KV cache so their memory can be reused."""

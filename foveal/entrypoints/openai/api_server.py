@@ -28,12 +28,13 @@ _OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 def build_app(engine, config: ServerConfig, *, owns_engine: bool = False,
-              stage_pools: StagePools | None = None) -> FastAPI:
+              stage_pools: StagePools | None = None, services: tuple = ()) -> FastAPI:
     """owns_engine: shut the engine down with the app (several apps may share one).
     stage_pools: stages to use (the caller closes them); default: the app's own,
     built from config.stages and closed with the app. Pass the AsyncLLM's
     `stage_pools` so that input_audio parts and videos' audio tracks share one
-    speech-to-text pool and cache."""
+    speech-to-text pool and cache. services: objects with async start() and
+    stop(), run with the app (e.g. joining a router's pool)."""
     fetcher = MediaFetcher(config.media)
     stages = stage_pools or StagePools(config.stages)
     metrics = ServerMetrics(stages)
@@ -42,7 +43,11 @@ def build_app(engine, config: ServerConfig, *, owns_engine: bool = False,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        for service in services:
+            await service.start()
         yield
+        for service in services:
+            await service.stop()
         await fetcher.aclose()
         if stage_pools is None:
             await asyncio.to_thread(stages.close)
@@ -111,10 +116,11 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
-def serve(engine, config: ServerConfig, host: str, port: int) -> None:
+def serve(engine, config: ServerConfig, host: str, port: int, services: tuple = ()) -> None:
     """Blocks until interrupted. The engine stops in the app's shutdown: uvicorn
     re-raises SIGINT/SIGTERM once it has stopped, so code after run() never runs."""
     import uvicorn
 
-    app = build_app(engine, config, owns_engine=True, stage_pools=engine.stage_pools)
+    app = build_app(engine, config, owns_engine=True, stage_pools=engine.stage_pools,
+                    services=services)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 # The server is fine but cannot take this request now: clients should retry.
 _UNAVAILABLE = (foveal_errors.EngineOverloadedError, foveal_errors.StageOverloadedError,
-                foveal_errors.EngineDeadError)
+                foveal_errors.EngineDeadError, foveal_errors.TransferError)
 
 
 class APIError(Exception):

@@ -57,6 +57,9 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     speculative_decoding: bool = True  # false: no draft tokens for this request
     mm_processor_kwargs: dict[str, Any] | None = None
+    # disaggregated serving (a router sets these; foveal/disagg/exchange.py)
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:

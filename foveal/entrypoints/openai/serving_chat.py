@@ -45,7 +45,7 @@ class OpenAIServingChat(OpenAIServing):
         params = request.sampling_params()
         prompt = await self._prompt(request)
         request_id = random_id("chatcmpl")
-        first, rest = await self.start(prompt, params, request_id)
+        first, rest = await self.start(prompt, params, request_id, request)
         top_n = (request.top_logprobs or 0) if request.logprobs else None
         if request.stream:
             events = self._events(model, request_id, first, rest, top_n, request.include_usage)
@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
                             finish_reason=final.finish_reason, stop_reason=final.stop_reason)
         body = ChatCompletionResponse(id=request_id, model=model, choices=[choice],
                                       usage=self.usage(final))
-        return JSONResponse(body.model_dump())
+        return JSONResponse(final.response(body))
 
     async def _prompt(self, request: ChatCompletionRequest) -> dict[str, Any]:
         options, processor_kwargs = split_preprocess_options(request.mm_processor_kwargs)

@@ -23,7 +23,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = request.sampling_params()
         prompt = _engine_prompt(request, self.engine.engine_config.model.text.vocab_size)
         request_id = random_id("cmpl")
-        first, rest = await self.start(prompt, params, request_id)
+        first, rest = await self.start(prompt, params, request_id, request)
         if request.stream:
             events = self._events(model, request_id, first, rest, request.logprobs,
                                   request.include_usage)
@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs=completion_logprobs(final.token_ids, final.logprobs, request.logprobs, 0))
         usage = self.usage(final)
         body = CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
-        return JSONResponse(body.model_dump())
+        return JSONResponse(final.response(body))
 
     async def _events(self, model: str, request_id: str, first: RequestOutput,
                       rest: AsyncIterator[RequestOutput], top_n: int | None,

@@ -45,6 +45,7 @@ class FinalOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     mm_plan: list | None = None  # ItemPlan per media item, from the first output
+    transfer_params: dict = field(default_factory=dict)  # what this engine exported
 
     def add(self, output: RequestOutput) -> None:
         completion = output.outputs[0]
@@ -56,6 +57,14 @@ class FinalOutput:
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
         self.error = output.error or self.error
         self.mm_plan = output.mm_plan or self.mm_plan
+        for name in ("kv_transfer_params", "ec_transfer_params"):
+            if getattr(output, name, None) is not None:
+                self.transfer_params[name] = getattr(output, name)
+
+    def response(self, body: BaseModel) -> dict:
+        """The response body, with the transfer parameters of a disaggregated
+        prefill or encode (the router passes them to the next worker)."""
+        return {**body.model_dump(), **self.transfer_params}
 
 
 class EngineStreamResponse(StreamingResponse):
@@ -97,12 +106,17 @@ class OpenAIServing:
         raise APIError(f"model {requested!r} is not served here; use one of {list(names)}",
                        param="model")
 
-    async def start(self, prompt: Any, params: SamplingParams, request_id: str
+    async def start(self, prompt: Any, params: SamplingParams, request_id: str,
+                    request: BaseModel | None = None
                     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Submit and wait for the first output, so validation errors (raised before
-        the first yield) become HTTP errors rather than a broken stream."""
+        the first yield) become HTTP errors rather than a broken stream.
+        request: the body, for its disaggregation fields."""
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
-        stream = self._deltas(prompt, params, request_id)
+        transfer = {name: getattr(request, name) for name in
+                    ("kv_transfer_params", "ec_transfer_params")
+                    if getattr(request, name, None) is not None}
+        stream = self._deltas(prompt, params, request_id, transfer)
         try:
             first = await stream.__anext__()
         except BaseException:
@@ -111,9 +125,9 @@ class OpenAIServing:
             raise
         return first, stream
 
-    async def _deltas(self, prompt: Any, params: SamplingParams, request_id: str
-                      ) -> AsyncIterator[RequestOutput]:
-        outputs = self.engine.generate(prompt, params, request_id, stream=True)
+    async def _deltas(self, prompt: Any, params: SamplingParams, request_id: str,
+                      transfer: dict) -> AsyncIterator[RequestOutput]:
+        outputs = self.engine.generate(prompt, params, request_id, stream=True, **transfer)
         timer = TokenTimer(self.metrics)
         finished = False
         try:

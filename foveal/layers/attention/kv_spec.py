@@ -129,24 +129,41 @@ class KVCaches:
         """Copies of whole blocks on the host, one dict per block:
         "kv": (num_layers, 2, block_size, Hkv, D) and, with scales,
         "scales": (num_layers, 2, *scale_shape)."""
-        ids = torch.tensor(block_ids, device=self.device)
-        parts = {"kv": self.layers, "scales": self.scales or []}
-        gathered = {name: torch.stack([t.index_select(1, ids) for t in tensors]).to("cpu")
-                    for name, tensors in parts.items() if tensors}  # (L, 2, n, ...)
+        gathered = self.read_stacked(block_ids)
         return [{name: t[:, :, index].contiguous() for name, t in gathered.items()}
                 for index in range(len(block_ids))]
 
     def write_blocks(self, block_ids: list[int], blocks: list[dict[str, torch.Tensor]]) -> None:
         """Put blocks read by read_blocks (any rank's pool of the same spec) at block_ids."""
+        self.write_stacked(block_ids, {name: torch.stack([block[name] for block in blocks], dim=2)
+                                       for name in blocks[0]})
+
+    def read_stacked(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Host copies of blocks, stacked: "kv": (num_layers, 2, n, block_size, Hkv, D)
+        and, with scales, "scales": (num_layers, 2, n, *scale_shape)."""
         ids = torch.tensor(block_ids, device=self.device)
         parts = {"kv": self.layers, "scales": self.scales or []}
+        return {name: torch.stack([t.index_select(1, ids) for t in tensors]).to("cpu")
+                for name, tensors in parts.items() if tensors}
+
+    def write_stacked(self, block_ids: list[int], stacked: dict[str, torch.Tensor]) -> None:
+        """Put blocks as read_stacked gives them at block_ids (a ValueError if
+        they do not have this pool's layout)."""
+        ids = torch.tensor(block_ids, device=self.device)
+        parts = {"kv": self.layers, "scales": self.scales or []}
+        if set(stacked) != {name for name, tensors in parts.items() if tensors}:
+            raise ValueError(f"blocks hold {sorted(stacked)}; this KV pool needs "
+                             f"{sorted(name for name, t in parts.items() if t)}")
         for name, tensors in parts.items():
             if not tensors:
                 continue
-            stacked = torch.stack([block[name] for block in blocks], dim=2)  # (L, 2, n, ...)
-            stacked = stacked.to(self.device, non_blocking=True)
+            expected = (len(tensors), 2, len(block_ids), *tensors[0].shape[2:])
+            if tuple(stacked[name].shape) != expected:
+                raise ValueError(f"{name} blocks have shape {tuple(stacked[name].shape)}; this "
+                                 f"KV pool needs {expected}")
+            values = stacked[name].to(self.device, non_blocking=True)
             for layer, tensor in enumerate(tensors):
-                _as_bits(tensor).index_copy_(1, ids, _as_bits(stacked[layer].to(tensor.dtype)))
+                _as_bits(tensor).index_copy_(1, ids, _as_bits(values[layer].to(tensor.dtype)))
 
 
 def slot_view(layer_tensor: torch.Tensor) -> torch.Tensor:
