@@ -1,0 +1,98 @@
+"""Start `foveal serve` / `foveal router` servers as processes and wait for them.
+
+Each server runs in its own session, so killing it (SIGKILL to the process
+group) takes its engine core and preprocessing processes along; `stop` sends
+SIGINT first, as Ctrl-C would, so a worker leaves its router's pool. Used by
+the Ray deployment (one per actor), the disaggregation benchmark and tests.
+Torch-free.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m foveal ARGS --host HOST --port PORT`, its output in log_path.
+
+    cpus: the cores it (and every process it starts) may run on; threads:
+    OMP_NUM_THREADS for its torch work (default: the number of cpus given).
+    """
+
+    def __init__(self, args: list[str], log_path: str | Path, *, host: str = "127.0.0.1",
+                 port: int | None = None, cpus: set[int] | None = None,
+                 threads: int | None = None, env: dict[str, str] | None = None) -> None:
+        self.host, self.port = host, port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.log_path = Path(log_path)
+        environment = {**os.environ, **(env or {})}
+        if cpus or threads:
+            environment["OMP_NUM_THREADS"] = str(threads or len(cpus))
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "foveal", *args, "--host", host, "--port", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environment,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until GET /health answers 200; RuntimeError (with the log's tail) if
+        the process exits or time.monotonic() passes deadline first."""
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.url} exited ({self.process.returncode}): {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.url} did not become healthy in time: {self.log()}")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self, num_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT to the process group, SIGKILL if it has not exited in timeout_s."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_all(servers: list[ServerProcess], timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for server in servers:
+        server.wait_ready(deadline)
+
+
+def metric(url: str, name: str) -> float:
+    """One metric of a server's /metrics, summed over its labels (0 if absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"))
