@@ -12,40 +12,13 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from foveal.disagg.router import RouterConfig, _sse_events, build_router_app
+from tests.e2e.test_openai_server import LiveServer
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
-
-
-class LiveServer:
-    """An ASGI app under uvicorn on a free 127.0.0.1 port in a background thread."""
-
-    def __init__(self, app) -> None:
-        self._socket = socket.socket()
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._socket]}, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("server did not start in 10 s")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._socket.close()
 
 
 class FakeWorker:
@@ -63,7 +36,7 @@ class FakeWorker:
 
     @property
     def url(self) -> str:
-        return self.server.url
+        return self.server.base_url
 
     def __enter__(self) -> FakeWorker:
         self.server.__enter__()
@@ -151,7 +124,7 @@ def router(encode=(), prefill=(), decode=(), **options):
     config = RouterConfig(encode=tuple(w.url for w in encode), prefill=tuple(w.url for w in prefill),
                           decode=tuple(w.url for w in decode), **options)
     with LiveServer(build_router_app(config)) as server, \
-            httpx.Client(base_url=server.url, timeout=10) as client:
+            httpx.Client(base_url=server.base_url, timeout=10) as client:
         yield client
 
 
