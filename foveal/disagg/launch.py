@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,11 +17,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+from foveal.executor.ranks import free_port
 
 
 class ServerProcess:
@@ -35,7 +30,7 @@ class ServerProcess:
     def __init__(self, args: list[str], log_path: str | Path, *, host: str = "127.0.0.1",
                  port: int | None = None, cpus: set[int] | None = None,
                  threads: int | None = None, env: dict[str, str] | None = None) -> None:
-        self.host, self.port = host, port or free_port(host)
+        self.host, self.port = host, port or free_port()
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         environment = {**os.environ, **(env or {})}

@@ -19,6 +19,7 @@ _SUBCOMMANDS = (
     "foveal.eagle_train.cli",
     "foveal.stages.cli",
     "foveal.disagg.router_cli",
+    "foveal.disagg.cluster_cli",
 )
 
 
