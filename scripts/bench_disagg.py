@@ -4,8 +4,9 @@ workload: multi-image requests arriving as a Poisson process, so long
 prefills land while other requests decode.
 
 Colocated: one `foveal serve` on all --cpus (OMP_NUM_THREADS = their count).
-Disaggregated: the encode and prefill servers share the first core, the
-decode server has the rest; the router runs on all of them (it only relays).
+Disaggregated: the encode and prefill servers share the first --prefill-cpus
+cores, the decode server has the rest; the router runs on all of them (it
+only relays).
 Each layout gets fresh servers, then `foveal bench serve` (the same seeded
 workload), then the workers' transfer counters: bytes and seconds of KV and
 embedding pulls per request.
@@ -30,14 +31,15 @@ from foveal.disagg.launch import ServerProcess, metric, start_all
 SERVE_FLAGS = ["--max-model-len", "4096", "--preprocess-workers", "1"]
 
 
-def start_layout(layout: str, model: str, cpus: list[int], logs: Path, extra: list[str]
-                 ) -> tuple[str, dict[str, ServerProcess]]:
+def start_layout(layout: str, model: str, cpus: list[int], num_prefill_cpus: int, logs: Path,
+                 extra: list[str]) -> tuple[str, dict[str, ServerProcess]]:
     flags = [*SERVE_FLAGS, *extra]
     if layout == "colocated":
         server = ServerProcess(["serve", model, *flags], logs / "mixed.log", cpus=set(cpus))
         start_all([server], 600)
         return server.url, {"mixed": server}
-    first, rest = {cpus[0]}, set(cpus[1:]) or {cpus[0]}
+    first = set(cpus[:num_prefill_cpus])
+    rest = set(cpus[num_prefill_cpus:]) or first
     servers = {"encode": ServerProcess(["serve", model, "--role", "encode", *flags],
                                        logs / "encode.log", cpus=first),
                "prefill": ServerProcess(["serve", model, "--role", "prefill", *flags],
@@ -69,7 +71,8 @@ def transfer_costs(servers: dict[str, ServerProcess], num_requests: int) -> dict
 
 
 def run_layout(layout: str, args: argparse.Namespace, logs: Path) -> dict:
-    url, servers = start_layout(layout, args.model, args.cpus, logs, args.serve_args.split())
+    url, servers = start_layout(layout, args.model, args.cpus, args.prefill_cpus, logs,
+                                args.serve_args.split())
     try:
         result_path = logs / f"{layout}.json"
         command = [sys.executable, "-m", "foveal", "bench", "serve", "--base-url", url,
@@ -102,6 +105,8 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--cpus", type=lambda s: [int(c) for c in s.split(",")],
                         default=sorted(os.sched_getaffinity(0)))
+    parser.add_argument("--prefill-cpus", type=int, default=1,
+                        help="disaggregated: cores of --cpus for encode + prefill (the rest decode)")
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--images-per-prompt", type=int, default=2)
     parser.add_argument("--image-size", default="448x448")

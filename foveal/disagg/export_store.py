@@ -28,9 +28,10 @@ class ExportStore:
     """Thread-safe, byte-capped store of exports the TransferServer serves.
 
     An export is a (meta, tensors) pair under a key, packed once at put(). The
-    tensors are kept by reference: do not modify them after put(). A TTL counts
-    from put(); making room drops expired exports first, then the least recently
-    used (put, get and fetch count as use)."""
+    tensors are kept by reference: do not modify them after put(). The TTL is
+    for handoffs (consume=True): one nobody claims within ttl_s of its put()
+    expires. Kept exports (caches) stay until evicted. Making room drops expired
+    exports first, then the least recently used (put, get and fetch count as use)."""
 
     def __init__(self, capacity_bytes: int, ttl_s: float | None = None):
         if capacity_bytes <= 0 or (ttl_s is not None and ttl_s <= 0):
@@ -53,7 +54,7 @@ class ExportStore:
         if num_bytes > self.capacity_bytes:
             raise TransferError(f"export {key!r} is {num_bytes} bytes; the export store holds at most "
                                 f"{self.capacity_bytes} bytes (raise its capacity)")
-        expires_at = math.inf if self.ttl_s is None else time.monotonic() + self.ttl_s
+        expires_at = math.inf if self.ttl_s is None or not consume else time.monotonic() + self.ttl_s
         with self._lock:
             self._remove(key)
             self._make_room(num_bytes)

@@ -11,7 +11,6 @@ import torch
 from PIL import Image
 
 from foveal import SamplingParams
-from foveal.disagg.exchange import TransferRequest
 from foveal.engine.request import KVImport, Request
 from foveal.engine_args import EngineArgs
 from foveal.executor import build_engine_core
@@ -143,4 +142,3 @@ def test_encode_engine_embeddings_replace_the_tower(checkpoint):
         {ENCODED_KEY: output.embeddings[feature.mm_hash]})]
     assert run(prefill, [request])["p"][0] == expected
     assert prefill.get_stats()["foveal:encoder_items_total"] == 0
-    assert TransferRequest().__bool__() is False

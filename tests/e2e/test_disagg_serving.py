@@ -141,6 +141,12 @@ def test_multi_turn_hits_the_prefill_cache_and_encodes_each_image_once(cluster):
     assert metric(decode, "foveal:transfer_bytes_total") > 0
     assert metric(prefill, "foveal:transfer_bytes_total") > 0  # embeddings pulled
     assert metric(decode, "foveal:transfer_failures_total") == 0
+    # a third turn adds an image: only the new one runs through the tower
+    turn3 = turn2 + [{"role": "assistant", "content": answer_text(second[1])},
+                     user(image_part(8), text_part("Compare both."))]
+    third = both(cluster, CHAT, {"messages": turn3, **GREEDY})
+    assert answer_text(third[1]) == answer_text(third[0])
+    assert metric(encode, "foveal:encoder_items_total") == encoded + 1
 
 
 def test_every_worker_gives_its_blocks_back(cluster):
@@ -167,6 +173,10 @@ def test_a_bad_transfer_is_refused_and_recomputed(cluster):
                                                 "kv_transfer_params": {"transfer_id": 3}},
                            timeout=60)
     assert malformed.status_code == 400, malformed.text
+    streamed = httpx.post(cluster["prefill"].url + CHAT, timeout=60, json={
+        "messages": CONVERSATIONS["text"], **GREEDY, "stream": True,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert streamed.status_code == 400 and "stream=false" in streamed.text
 
 
 def test_decode_server_killed_mid_stream_then_a_new_one_joins(cluster):

@@ -167,12 +167,14 @@ def test_store_get_is_a_local_read_that_never_consumes(store):
     assert "t1" not in store and store.num_bytes == 0
 
 
-def test_store_ttl_expires_exports():
+def test_store_ttl_expires_unclaimed_handoffs_and_keeps_caches():
     store = ExportStore(capacity_bytes=MB, ttl_s=0.5)
-    store.put("e", {}, {"x": torch.ones(4)})
+    store.put("e", {}, {"x": torch.ones(4)}, consume=True)
+    store.put("cached", {}, {"x": torch.ones(4)})
     assert "e" in store
     time.sleep(0.6)
-    assert "e" not in store and store.get("e") is None and len(store) == 0 and store.num_bytes == 0
+    assert "e" not in store and store.get("e") is None and len(store) == 1
+    assert "cached" in store and store.num_bytes == 16
     assert store.stats()["num_expired"] == 1
 
 
@@ -243,7 +245,7 @@ def test_fetch_missing_key_is_named_and_consumes_nothing(store, server):
 
 def test_fetch_expired_key_raises():
     store = ExportStore(capacity_bytes=MB, ttl_s=0.3)
-    store.put("e", {}, {"x": torch.ones(3)})
+    store.put("e", {}, {"x": torch.ones(3)}, consume=True)
     with TransferServer(store) as server:
         time.sleep(0.4)
         with pytest.raises(TransferError, match="'e'"):

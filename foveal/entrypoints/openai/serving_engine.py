@@ -116,6 +116,11 @@ class OpenAIServing:
         transfer = {name: getattr(request, name) for name in
                     ("kv_transfer_params", "ec_transfer_params")
                     if getattr(request, name, None) is not None}
+        exports = (getattr(self.engine, "role", "mixed") == "encode"
+                   or (transfer.get("kv_transfer_params") or {}).get("do_remote_decode"))
+        if exports and getattr(request, "stream", False):
+            raise InvalidRequestError("a disaggregated encode or prefill answers with its transfer "
+                                      "parameters in one JSON body: send stream=false")
         stream = self._deltas(prompt, params, request_id, transfer)
         try:
             first = await stream.__anext__()
