@@ -58,6 +58,7 @@ class ModelConfig:
     # With tensor parallelism: "weights" shards the vision encoder like the decoder;
     # "data" replicates it and splits each step's media items over the ranks.
     mm_encoder_tp_mode: str = "weights"
+    checkpoint_dtype: str | None = None  # config.json's (torch_)dtype: how the weights are stored
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ from foveal.config import (ROLES, CacheConfig, EngineConfig, ModelConfig, Multim
                            ParallelConfig, SchedulerConfig, SpeculativeConfig, TextConfig,
                            TransferConfig)
 from foveal.errors import ConfigError
+from foveal.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -80,7 +83,11 @@ class EngineArgs:
         parallel = self._parallel_config()
         self._check_tensor_parallel(parallel.tensor_parallel_size, model_config, device)
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
-        dtype = resolve_dtype(self.dtype, device)
+        dtype = resolve_dtype(self.dtype, device, model_config.checkpoint_dtype)
+        if device == "cpu":
+            from foveal.cpu_features import cpu_features
+
+            logger.info("CPU: %s; dtype %s -> %s", cpu_features().describe(), self.dtype, dtype)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size,

@@ -95,9 +95,18 @@ def model_config_from_dict(hf: dict, path: str | None = None,
             image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
             vision_start_token_id=hf["vision_start_token_id"],
             vision_end_token_id=hf["vision_end_token_id"],
-            eos_token_ids=eos, path=path)
+            eos_token_ids=eos, path=path, checkpoint_dtype=_stored_dtype(hf, text_dict))
     except KeyError as missing:
         raise ConfigError(f"config.json lacks {missing}; re-export the checkpoint's config") from None
+
+
+def _stored_dtype(hf: dict, text_dict: dict) -> str | None:
+    """The weights' dtype as config.json names it (transformers 5: dtype; before: torch_dtype)."""
+    for config in (hf, text_dict):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(config.get(key), str):
+                return config[key].removeprefix("torch.")
+    return None
 
 
 def model_config_from_hf(path: str) -> ModelConfig:

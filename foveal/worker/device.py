@@ -41,17 +41,21 @@ def resolve_dtype(name: str, device: str,
                   checkpoint_dtype: str | torch.dtype | None = None) -> str:
     """The dtype name (a key of EngineConfig.dtype) to run in.
 
-    auto: float32 on CPU (this CPU has no bf16 units: bf16 matmuls are ~8x
-    slower); on CUDA the checkpoint's half dtype, else bfloat16.
+    auto on CUDA: the checkpoint's half dtype, else bfloat16. auto on CPU: a
+    bfloat16 checkpoint runs in bfloat16 where the CPU has bf16 instructions
+    (foveal/cpu_features.py), everything else in float32 (without them
+    bf16 matmuls are ~8x slower than fp32, and fp16 has no fast CPU path).
     """
     if name != "auto":
         if name not in _DTYPES:
             raise ConfigError(f"unknown dtype {name!r}; use one of auto, "
                               f"{', '.join(_DTYPES)} (--dtype)")
         return name
-    if not str(device).startswith("cuda"):
-        return "float32"
     stored = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else None
+    if not str(device).startswith("cuda"):
+        from foveal.cpu_features import cpu_features
+
+        return "bfloat16" if stored == "bfloat16" and cpu_features().native_bf16 else "float32"
     return stored if stored in _CUDA_NATIVE else "bfloat16"
 
 

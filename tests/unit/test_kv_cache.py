@@ -77,8 +77,23 @@ def test_available_memory_on_cpu_is_a_fraction_of_available_ram():
     assert 0 < tenth < fifth
 
 
-def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda():
-    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+@pytest.mark.parametrize("flags, bf16_checkpoint_runs_in", [
+    (frozenset({"avx2"}), "float32"),
+    (frozenset({"avx2", "avx512f", "avx512_bf16"}), "bfloat16"),
+    (frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"}), "bfloat16")])
+def test_auto_dtype_follows_the_cpu_and_the_checkpoint(monkeypatch, flags,
+                                                        bf16_checkpoint_runs_in):
+    from foveal import cpu_features
+
+    fake = cpu_features.CPUFeatures("test CPU", flags, "AVX2")
+    monkeypatch.setattr(cpu_features, "cpu_features", lambda: fake)
+    assert resolve_dtype("auto", "cpu", "bfloat16") == bf16_checkpoint_runs_in
+    for stored in ("float32", "float16", None):  # fp16 has no fast CPU path
+        assert resolve_dtype("auto", "cpu", stored) == "float32"
+    assert resolve_dtype("bfloat16", "cpu", "float32") == "bfloat16"
+
+
+def test_auto_dtype_on_cuda_keeps_half_checkpoints():
     assert resolve_dtype("auto", "cuda", None) == "bfloat16"
     assert resolve_dtype("auto", "cuda:0", torch.float32) == "bfloat16"
     assert resolve_dtype("auto", "cuda", "float16") == "float16"

@@ -159,3 +159,29 @@ def test_segment_attention_keeps_segments_apart():
         expected = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
                                                   v[start:end].transpose(0, 1), scale=0.5).transpose(0, 1)
         torch.testing.assert_close(out[start:end], expected)
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_prepacked_linear_layers_match_f_linear_in_their_dtype(monkeypatch, native_bf16):
+    """fp32 layers always get oneDNN's blocked weights; bf16 ones only on CPUs with
+    bf16 instructions (elsewhere the blocked bf16 GEMM is emulated, and slow)."""
+    from foveal import cpu_features
+    from foveal.layers.linear import ReplicatedLinear, prepack_weights
+
+    flags = frozenset({"avx2", "avx512f", "avx512_bf16"} if native_bf16 else {"avx2"})
+    monkeypatch.setattr(cpu_features, "cpu_features",
+                        lambda: cpu_features.CPUFeatures("test CPU", flags, "AVX2"))
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"fp32": ReplicatedLinear(32, 48, bias=True),
+                                 "bf16": ReplicatedLinear(32, 48, bias=True).to(torch.bfloat16)})
+    for layer in model.values():
+        torch.nn.init.normal_(layer.weight)
+        torch.nn.init.normal_(layer.bias)
+    expected = {name: torch.nn.functional.linear(torch.ones(3, 32, dtype=layer.weight.dtype),
+                                                 layer.weight, layer.bias)
+                for name, layer in model.items()}
+    assert prepack_weights(model) == (2 if native_bf16 else 1)
+    assert (model["bf16"].packed_weight is not None) == native_bf16
+    for name, layer in model.items():
+        out = layer(torch.ones(3, 32, dtype=expected[name].dtype))
+        torch.testing.assert_close(out, expected[name], rtol=2e-2, atol=2e-2)
