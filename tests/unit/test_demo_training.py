@@ -11,7 +11,7 @@ from foveal.demo_model.encode import (
     scene_targets, shape_targets,
 )
 from foveal.demo_model.render import COLOR_NAMES, SHAPES
-from foveal.demo_model.tasks import TASKS, make_sample
+from foveal.demo_model.tasks import make_sample
 from foveal.demo_model.train import (
     TrainConfig, VisualTokenProbe, answer_loss, build_hf_model, lr_at, train,
     write_model_folder,
