@@ -45,16 +45,11 @@ class ServerProcess:
     def wait_ready(self, deadline: float) -> None:
         """Until GET /health answers 200; RuntimeError (with the log's tail) if
         the process exits or time.monotonic() passes deadline first."""
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.url} exited ({self.process.returncode}): {self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.url} did not become healthy in time: {self.log()}")
+        state = poll_health(self.url, deadline, self.alive)
+        if state == "exited":
+            raise RuntimeError(f"{self.url} exited ({self.process.returncode}): {self.log()}")
+        if state == "timeout":
+            raise RuntimeError(f"{self.url} did not become healthy in time: {self.log()}")
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -78,6 +73,22 @@ class ServerProcess:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def poll_health(url: str, deadline: float, alive) -> str:
+    """Poll url/health every 0.5 s: "healthy" once it answers 200, "exited" as
+    soon as alive() is false, "timeout" when time.monotonic() passes deadline."""
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if not alive():
+                return "exited"
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return "healthy"
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    return "timeout"
 
 
 def start_all(servers: list[ServerProcess], timeout_s: float = 180.0) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 import foveal
+from foveal.disagg.launch import poll_health
 from foveal.errors import ConfigError, FovealError
 from foveal.executor.ranks import free_port, startup_timeout_s
 from foveal.logger import init_logger
@@ -192,19 +193,13 @@ class WorkerActor:
 
     def wait_healthy(self, timeout_s: float) -> str:
         """Polls /health until it answers 200; raises if the server exits or the time runs out."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    code = self._status_lines[1] if len(self._status_lines) > 1 else "unknown"
-                    raise WorkerStartError(f"the {self.role} server at {self.url()} exited (code "
-                                           f"{code}) before it served; {self.log_tail()}")
-                try:
-                    if client.get(self.url() + "/health").status_code == 200:
-                        return self.url()
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+        state = poll_health(self.url(), time.monotonic() + timeout_s, self.alive)
+        if state == "healthy":
+            return self.url()
+        if state == "exited":
+            code = self._status_lines[1] if len(self._status_lines) > 1 else "unknown"
+            raise WorkerStartError(f"the {self.role} server at {self.url()} exited (code "
+                                   f"{code}) before it served; {self.log_tail()}")
         raise WorkerStartError(f"the {self.role} server at {self.url()} did not answer /health "
                                f"within {timeout_s:g} s (raise the startup timeout); {self.log_tail()}")
 
