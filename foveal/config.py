@@ -174,3 +174,4 @@ class EngineConfig:
     device: str = "cpu"  # resolved device
     load_format: str = "auto"  # "auto" (safetensors) | "dummy"
     seed: int = 0
+    quantization: str | None = None  # online weight quantization: "int8" (W8A8 dynamic)

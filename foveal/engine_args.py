@@ -45,6 +45,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     mm_encoder_tp_mode: str = "weights"  # "data": replicate the vision encoder, split items
     speculative_config: dict | None = None
+    quantization: str | None = None  # "int8": W8A8, dynamic per-token activations (CPU)
     role: str = "mixed"  # disaggregated serving: encode | prefill | decode | mixed
     transfer_host: str = "127.0.0.1"
     transfer_advertise_host: str | None = None
@@ -63,6 +64,7 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        from foveal.layers.quantization import check_quantization
         from foveal.loader.hf_config import model_config_from_hf
         from foveal.worker.device import resolve_device, resolve_dtype
 
@@ -84,6 +86,7 @@ class EngineArgs:
         self._check_tensor_parallel(parallel.tensor_parallel_size, model_config, device)
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
         dtype = resolve_dtype(self.dtype, device, model_config.checkpoint_dtype)
+        quantization = check_quantization(self.quantization, device)
         if device == "cpu":
             from foveal.cpu_features import cpu_features
 
@@ -113,6 +116,7 @@ class EngineArgs:
             device=device,
             load_format=self.load_format,
             seed=self.seed,
+            quantization=quantization,
         )
 
     def _speculative_config(self, max_model_len: int, text: TextConfig

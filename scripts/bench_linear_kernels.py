@@ -1,6 +1,10 @@
 """Per-call time of one linear layer on this CPU: fp32 `F.linear` (MKL) vs the
 oneDNN-blocked weights Foveal uses (`foveal.layers.linear.prepack_weights`),
-in fp32 and in bf16 (which Foveal packs only where the CPU has bf16 instructions).
+in fp32 and in bf16 (which Foveal packs only where the CPU has bf16 instructions),
+and the int8 W8A8 GEMM of `--quantization int8` (`foveal.layers.quantization`).
+
+Each kernel cycles through COPIES different weights, so (as in a decode step,
+which reads every layer once) the weights come from memory, not from the cache.
 
     python scripts/bench_linear_kernels.py
 """
@@ -11,35 +15,45 @@ import torch
 import torch.nn.functional as F
 
 OUT_FEATURES, IN_FEATURES = 9728, 896  # `small`'s gate_up projection
-REPEATS = 7
+COPIES = 8  # 8 x 35 MB of fp32 weights: more than any CPU cache
+REPEATS = 5
 
 
-def median_ms(fn) -> float:
-    fn()
+def median_ms(fn, weights) -> float:
+    """Median over REPEATS passes of one call per weight, per call."""
+    for weight in weights:
+        fn(weight)
     times = []
     for _ in range(REPEATS):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for weight in weights:
+            fn(weight)
+        times.append((time.perf_counter() - start) / len(weights))
     return 1000 * statistics.median(times)
 
 
 def main() -> None:
     from foveal.cpu_features import cpu_features
+    from foveal.layers.quantization import int8_linear, quantize_int8
 
-    print(cpu_features().describe())
-    weight = torch.randn(OUT_FEATURES, IN_FEATURES)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), 1)
-    print(f"{'M':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'speed-up':>9} {'bf16 oneDNN ms':>15}")
+    print(cpu_features().describe(), f"{torch.get_num_threads()} threads")
+    weights = [torch.randn(OUT_FEATURES, IN_FEATURES) * 0.02 for _ in range(COPIES)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in weights]
+    quantized = [quantize_int8(w) for w in weights]
+    print(f"{'M':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'bf16 oneDNN ms':>15} "
+          f"{'int8 W8A8 ms':>13} {'int8 vs oneDNN':>15}")
     for rows in (1, 2, 4, 8, 32, 256, 1024):
         x = torch.randn(rows, IN_FEATURES)
         x_bf16 = x.bfloat16()
-        dense = median_ms(lambda: F.linear(x, weight))
-        blocked = median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-        half = median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x_bf16, packed_bf16, None, "none",
-                                                                    [], ""))
-        print(f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {dense / blocked:>8.2f}x {half:>15.2f}")
+        dense = median_ms(lambda w: F.linear(x, w), weights)
+        blocked = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
+            x, p, None, "none", [], ""), packed)
+        half = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
+            x_bf16, p, None, "none", [], ""), packed_bf16)
+        int8 = median_ms(lambda q: int8_linear(x, q[0], q[1], None), quantized)
+        print(f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {half:>15.2f} {int8:>13.2f} "
+              f"{blocked / int8:>14.2f}x")
 
 
 if __name__ == "__main__":

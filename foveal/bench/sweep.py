@@ -15,9 +15,10 @@ Series (--series, default all):
                clip keeps its duration; 1 frame is the first frame
   budget       all tasks; per-request mm_processor_kwargs max_visual_tokens
   kv_cache     all tasks; one LLM per kv_cache_dtype
+  weights      all tasks; the checkpoint's weights vs --quantization int8
   speculative  all tasks; n-gram drafts vs none, with the draft acceptance rate
 
-One LLM per engine configuration (kv_cache_dtype, speculative_config), shared
+One LLM per engine configuration (kv_cache_dtype, quantization, speculative_config), shared
 by every request-level point that uses it; requests run one at a time, so TTFT
 is the request's own prefill. Nothing is served from a cache: prefix caching
 is off, and each point's images (and its clip's first frame) carry the point's
@@ -132,6 +133,11 @@ def _kv_cache(plan: SweepPlan) -> list[SweepPoint]:
             for dtype in plan.kv_dtypes]
 
 
+def _weights(plan: SweepPlan) -> list[SweepPoint]:
+    return [SweepPoint("weights", name, TASKS, engine={"quantization": method})
+            for name, method in (("as stored", None), ("int8", "int8"))]
+
+
 def _speculative(plan: SweepPlan) -> list[SweepPoint]:
     k = plan.num_speculative_tokens
     points = [SweepPoint("speculative", "none", TASKS, engine={"speculative_config": None}),
@@ -146,7 +152,7 @@ def _speculative(plan: SweepPlan) -> list[SweepPoint]:
 
 SERIES: dict[str, Callable[[SweepPlan], list[SweepPoint]]] = {
     "resolution": _resolution, "detail": _detail, "frames": _frames, "budget": _budget,
-    "kv_cache": _kv_cache, "speculative": _speculative,
+    "kv_cache": _kv_cache, "weights": _weights, "speculative": _speculative,
 }
 
 
@@ -245,6 +251,7 @@ def _load(model_dir: Path, kwargs: dict):
     from foveal import LLM
 
     print(f"loading {model_dir} (kv_cache_dtype {kwargs.get('kv_cache_dtype')}, "
+          f"quantization {kwargs.get('quantization')}, "
           f"speculative_config {kwargs.get('speculative_config')})", flush=True)
     return LLM(model=str(model_dir), **kwargs)
 

@@ -79,6 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", type=_json_dict, default=None,
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 3}\'')
+    group.add_argument("--quantization", choices=("int8",),
+                       help="quantize the linear layers' weights at load time: int8 (per output "
+                            "channel, activations per token at run time; CPU)")
 
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -87,7 +90,7 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_bat
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
                 "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
                 "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend",
-                "mm_encoder_tp_mode", "speculative_config")
+                "mm_encoder_tp_mode", "speculative_config", "quantization")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

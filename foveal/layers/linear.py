@@ -12,6 +12,7 @@ from torch import nn
 
 from foveal.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
 from foveal.errors import CheckpointError, ConfigError
+from foveal.layers.quantization import int8_linear
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -52,6 +53,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # set by prepack_weights()
+        self.int8_weight: torch.Tensor | None = None  # set by quantize_weights()
+        self.int8_scale: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         # A row-parallel bias (1-D, tp_dim 1) is replicated, not sharded.
@@ -158,7 +161,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 def apply_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b with the layer's weight: its oneDNN-blocked copy when it has one."""
+    """x W^T + b with the layer's weight: its int8 copy (--quantization int8) or
+    its oneDNN-blocked copy when it has one."""
+    if getattr(layer, "int8_weight", None) is not None:
+        return int8_linear(x, layer.int8_weight, layer.int8_scale, bias)
     if layer.packed_weight is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias,
                                                   "none", [], "")

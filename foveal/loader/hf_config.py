@@ -83,6 +83,7 @@ def model_config_from_dict(hf: dict, path: str | None = None,
                            generation_config: dict | None = None) -> ModelConfig:
     """Build a ModelConfig from an HF config dict (either layout)."""
     architecture = _architecture(hf)
+    _check_not_prequantized(hf)
     text = _text_config(hf)
     text_dict = hf.get("text_config") or {}
     eos = _as_ids((generation_config or {}).get("eos_token_id"))
@@ -98,6 +99,16 @@ def model_config_from_dict(hf: dict, path: str | None = None,
             eos_token_ids=eos, path=path, checkpoint_dtype=_stored_dtype(hf, text_dict))
     except KeyError as missing:
         raise ConfigError(f"config.json lacks {missing}; re-export the checkpoint's config") from None
+
+
+def _check_not_prequantized(hf: dict) -> None:
+    quantized = hf.get("quantization_config") or (hf.get("text_config") or {}).get(
+        "quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ConfigError(f"this checkpoint is quantized ({method}); Foveal loads float16, "
+                          "bfloat16 and float32 checkpoints and quantizes them itself: use the "
+                          "unquantized checkpoint with --quantization int8")
 
 
 def _stored_dtype(hf: dict, text_dict: dict) -> str | None:

@@ -17,6 +17,7 @@ from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
 from foveal.layers.attention.kv_spec import KVCacheSpec
 from foveal.layers.linear import prepack_weights
+from foveal.layers.quantization import quantize_weights
 from foveal.multimodal.inputs import MMFeature
 from foveal.worker.device import torch_dtype
 from foveal.worker.encoder_runner import EncoderCache
@@ -47,6 +48,7 @@ class Worker:
         if self.config.transfer.role == "encode":
             self.model.keep_vision_only()  # an encode worker never runs the text decoder
         self.draft_head = self._load_draft_head()
+        quantize_weights(self.model, self.config.quantization)  # --quantization int8
         prepack_weights(self.model)  # CPU fp32: oneDNN-blocked GEMM weights
         if self.draft_head is not None:
             prepack_weights(self.draft_head)

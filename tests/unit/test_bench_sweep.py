@@ -52,6 +52,8 @@ def test_detail_frames_and_budget_points_set_what_each_request_sends():
 
 def test_engine_series_set_engine_kwargs_and_run_every_task():
     kv, spec = points_of("kv_cache"), points_of("speculative")
+    assert [p.engine for p in points_of("weights")] == [{"quantization": None},
+                                                         {"quantization": "int8"}]
     assert [p.engine for p in kv] == [{"kv_cache_dtype": d} for d in PLAN.kv_dtypes]
     assert [p.engine["speculative_config"] for p in spec] == \
         [None, {"method": "ngram", "num_speculative_tokens": 3}]
@@ -59,10 +61,12 @@ def test_engine_series_set_engine_kwargs_and_run_every_task():
 
 
 def test_points_that_resolve_to_the_same_engine_share_one_llm():
-    base = base_engine_kwargs({"kv_cache_dtype": "auto", "speculative_config": None})
+    base = base_engine_kwargs({"kv_cache_dtype": "auto", "speculative_config": None,
+                               "quantization": None})
     groups = _engine_groups(base, PLAN.points())
-    # base (request-level series, kv auto, speculative none) + int8 + fp8 + int4 + ngram
-    assert len(groups) == 5
+    # base (request-level series, kv auto, weights as stored, speculative none)
+    # + KV int8 + fp8 + int4 + int8 weights + ngram
+    assert len(groups) == 6
     base_kwargs, base_indices = groups[0]
     assert base_kwargs["enable_prefix_caching"] is False
     assert {PLAN.points()[i].series for i in base_indices} == set(SERIES)
