@@ -1,6 +1,7 @@
 """Per-request sampling options, in vLLM's spelling."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from foveal.errors import SamplingParamsError
@@ -41,7 +42,8 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n == 1, f"n={self.n} is not supported yet; use n=1"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 <= self.temperature < math.inf,
+             f"temperature must be >= 0 and finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 for off), got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
@@ -50,6 +52,9 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            # torch.Generator.manual_seed takes [-2**63, 2**64)
+            (self.seed is None or -2 ** 63 <= self.seed < 2 ** 64,
+             f"seed must be a 64-bit integer, got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

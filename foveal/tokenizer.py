@@ -73,6 +73,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in text (e.g. "<|image_pad|>") encode to their one id."""
+        if not isinstance(text, str) or not text.isascii():
+            _check_unicode(text)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -120,6 +122,18 @@ class Tokenizer:
     def _named_token_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
         return None if content is None else self._backend.token_to_id(content)
+
+
+def _check_unicode(text: Any) -> None:
+    # The backend raises a bare TypeError on these; JSON can carry lone surrogates.
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"a prompt is text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"the prompt holds a lone surrogate {text[exc.start]!r} at character {exc.start}; "
+            "send valid Unicode text") from None
 
 
 def _read_json(path: Path) -> Any:

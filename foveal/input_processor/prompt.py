@@ -49,7 +49,8 @@ def split_processor_kwargs(kwargs: Mapping[str, Any], image_keys: tuple[str, ...
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         hint = " (transcriber is set per LLM, not per prompt)" if set(unknown) & set(_LLM_ONLY_KEYS) else ""
-        raise InvalidRequestError(f"unknown mm_processor_kwargs {unknown}{hint}; accepted: {sorted(accepted)}")
+        named = f"{unknown[:5]}" + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
+        raise InvalidRequestError(f"unknown mm_processor_kwargs {named}{hint}; accepted: {sorted(accepted)}")
     image = {k: v for k, v in kwargs.items() if k in image_keys}
     video = {k: v for k, v in kwargs.items() if k in video_keys}
     budget = kwargs.get("max_visual_tokens")

@@ -63,6 +63,9 @@ def _parse_content(content: Any, conversation: ChatConversation) -> Any:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
+            if not isinstance(part.get("text", ""), str):
+                raise InvalidRequestError(f"a text part's 'text' is a string, got "
+                                          f"{type(part['text']).__name__}")
             parts.append({"type": "text", "text": part.get("text", "")})
         elif kind in _IMAGE_PARTS:
             conversation.images.append(image_item(part))

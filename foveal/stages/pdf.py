@@ -77,7 +77,8 @@ class PdfStage(Stage):
         document = pdf_media.open_pdf(item.content)
         try:
             indices = pdf_media.select_pages(item.pages, len(document), options.max_pages)
-            pages = [self._page(document[index], index, item.render, max_pixels) for index in indices]
+            pages = [self._page(pdf_media.load_page(document, index), index, item.render, max_pixels)
+                     for index in indices]
             return PdfResult(num_pages=len(document), pages=pages)
         finally:
             document.close()

@@ -94,7 +94,7 @@ def test_pixel_limit_is_checked_before_decoding():
 
 
 def test_pixel_limit_applies_to_pil_input():
-    with pytest.raises(MediaLimitError, match="40x30 = 0.0 MP"):
+    with pytest.raises(MediaLimitError, match="40x30 = 0.0012 MP; the limit is 0.001 MP"):
         load_image(random_image(40, 30), max_image_pixels=1000)
 
 

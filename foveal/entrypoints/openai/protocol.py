@@ -9,8 +9,9 @@ options (pdf_mode, ocr, transcribe_audio, ...).
 Responses add to OpenAI's `usage`: `prompt_tokens_details.image_tokens` and
 `.video_tokens` (visual tokens in the prompt), and `mm_plan`, the downsampling
 planner's choice per media item in prompt order (modality, num_tokens, detail,
-num_frames, max_pixels). Options Foveal cannot honour yet (n > 1, penalties,
-tools, response formats) fail with a message instead of being dropped.
+num_frames, max_pixels, the resized width and height, and whether the budget
+downsampled it). Options Foveal cannot honour yet (n > 1, penalties, tools,
+response formats) fail with a message instead of being dropped.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from foveal.errors import InvalidRequestError, SamplingParamsError
 from foveal.sampling_params import SamplingParams
@@ -29,13 +30,25 @@ def random_id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. Strict: a JSON value of the
+    wrong type ("0.5" for temperature, true for max_tokens) is a 400, not coerced."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        """`"temperature": null` is the field left out, as OpenAI's API reads it
+        (many clients send every field, unset ones as null)."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     model: str | None = None
     max_tokens: int | None = None
@@ -102,9 +115,20 @@ class ChatCompletionRequest(SamplingRequest):
             raise InvalidRequestError("response_format other than 'text' is not supported yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs needs logprobs=true")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ()))
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}; the server "
+                                      "sets those itself")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = self.max_tokens if self.max_completion_tokens is None \
+            else self.max_completion_tokens
         return self.to_sampling_params(max_tokens, logprobs)
+
+
+# What the server passes to the chat template itself; a "chat_template" would
+# also run the client's Jinja code on the server.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents",
+                                       "chat_template"})
 
 
 class CompletionRequest(SamplingRequest):
@@ -136,6 +160,9 @@ class MediaItemPlan(BaseModel):
     detail: str
     num_frames: int  # 1 for images
     max_pixels: int
+    width: int = 0  # frame size after resizing, in pixels
+    height: int = 0
+    downsampled: bool = False  # the visual-token budget cut it below its preferred setting
 
 
 class UsageInfo(BaseModel):

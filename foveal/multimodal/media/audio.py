@@ -120,5 +120,6 @@ def _read_path(path: pathlib.Path, kind: str) -> bytes:
         return path.read_bytes()
     except FileNotFoundError as exc:
         raise MediaError(f"{kind} file not found: {str(path)!r}") from exc
-    except OSError as exc:
-        raise MediaError(f"cannot read {kind} file {str(path)!r} ({exc.strerror or exc})") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL or an unpaired surrogate in the path
+        raise MediaError(f"cannot read {kind} file {str(path)!r} "
+                         f"({getattr(exc, 'strerror', None) or exc})") from exc

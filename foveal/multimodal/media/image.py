@@ -7,6 +7,9 @@ server, not here.
 Safety order: read the header, check the pixel count against the limit, and only
 then decode (a 40 KB PNG can inflate to gigabytes). Decoding is forced here, so
 corrupt or truncated bytes fail this request now rather than a worker later.
+Only the formats in `IMAGE_FORMATS` are opened (Pillow's other plugins, EPS
+through Ghostscript among them, never see request bytes). An animated GIF or
+WebP gives its first frame.
 """
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ from foveal.multimodal.media.data_url import decode_data_url as shared_decode_da
 
 ImageSource = Image.Image | bytes | bytearray | memoryview | pathlib.Path | str
 
+# Pillow's JPEG plugin also opens phones' multi-picture (MPO) JPEGs.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+_FORMATS_HINT = "send PNG, JPEG, WebP, GIF, BMP or TIFF"
+
 # Modes Pillow can turn into RGB, but not into the colours the picture shows:
 # LAB's "A" band is a colour axis, not alpha; La is premultiplied and Pillow
 # cannot convert it.
@@ -31,7 +38,7 @@ def load_image(source: ImageSource, max_image_pixels: int) -> Image.Image:
     """Return `source` as a fully decoded RGB image, or raise MediaError/MediaLimitError."""
     if isinstance(source, Image.Image):
         check_pixel_limit(source.width, source.height, max_image_pixels)
-        _decode(source)
+        _decode(source, max_image_pixels)
         return to_rgb(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _open_bytes(bytes(source), max_image_pixels)
@@ -50,10 +57,11 @@ def check_pixel_limit(width: int, height: int, max_image_pixels: int) -> None:
         raise MediaError(f"image is {width}x{height}: it has no pixels")
     num_pixels = width * height
     if num_pixels > max_image_pixels:
+        size, limit = f"{num_pixels / 1e6:.1f} MP", f"{max_image_pixels / 1e6:.1f} MP"
+        if size == limit:  # too close to tell apart at one decimal
+            size, limit = f"{num_pixels / 1e6:.6g} MP", f"{max_image_pixels / 1e6:.6g} MP"
         raise MediaLimitError(
-            f"image is {width}x{height} = {num_pixels / 1e6:.1f} MP; "
-            f"the limit is {max_image_pixels / 1e6:.1f} MP (--max-image-pixels)"
-        )
+            f"image is {width}x{height} = {size}; the limit is {limit} (--max-image-pixels)")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -113,29 +121,41 @@ def _open_path(path: pathlib.Path, max_image_pixels: int) -> Image.Image:
         data = path.read_bytes()
     except FileNotFoundError as exc:
         raise MediaError(f"image file not found: {str(path)!r}") from exc
-    except OSError as exc:
-        raise MediaError(f"cannot read image file {str(path)!r} ({exc.strerror or exc})") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL or an unpaired surrogate in the path
+        raise MediaError(f"cannot read image file {str(path)!r} "
+                         f"({getattr(exc, 'strerror', None) or exc})") from exc
     return _open_bytes(data, max_image_pixels)
 
 
 def _open_bytes(data: bytes, max_image_pixels: int) -> Image.Image:
+    if not data:
+        raise MediaError(f"the image is empty (0 bytes); {_FORMATS_HINT}")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
-        raise MediaLimitError(f"image refused by Pillow as a decompression bomb ({exc})") from exc
+        raise _bomb_error(exc, max_image_pixels) from exc
+    except Image.UnidentifiedImageError as exc:
+        raise MediaError(f"could not identify an image in {len(data)} bytes; {_FORMATS_HINT}") \
+            from exc
     except Exception as exc:  # Pillow raises many types on garbage headers
         raise MediaError(
             f"could not identify an image in {len(data)} bytes ({type(exc).__name__}: {exc}); "
-            "send PNG, JPEG, WebP, GIF, BMP or TIFF"
-        ) from exc
+            f"{_FORMATS_HINT}") from exc
     check_pixel_limit(image.width, image.height, max_image_pixels)
-    _decode(image)
+    _decode(image, max_image_pixels)
     return to_rgb(image)
 
 
-def _decode(image: Image.Image) -> None:
+def _bomb_error(exc: Exception, max_image_pixels: int) -> MediaLimitError:
+    return MediaLimitError(f"the image declares more pixels than Pillow decodes ({exc}); the limit "
+                           f"is {max_image_pixels / 1e6:.1f} MP (--max-image-pixels)")
+
+
+def _decode(image: Image.Image, max_image_pixels: int) -> None:
     try:
         image.load()
+    except Image.DecompressionBombError as exc:
+        raise _bomb_error(exc, max_image_pixels) from exc
     except Exception as exc:  # corrupt streams surface as OSError, SyntaxError, struct.error, ...
         raise MediaError(
             f"could not decode the {image.format or image.mode} image "

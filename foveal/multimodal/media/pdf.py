@@ -8,6 +8,7 @@ Page numbers in user-facing specs and messages are 1-based.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 
@@ -57,13 +58,30 @@ def _parse_page_spec(spec: str, num_pages: int) -> list[int]:
     return indices
 
 
+def load_page(document, index: int):
+    """Page `index` (0-based) of an open document; MediaError when PDFium cannot parse it."""
+    with _corrupt_page_is_media_error(f"page {index + 1}"):
+        return document[index]
+
+
+@contextlib.contextmanager
+def _corrupt_page_is_media_error(page: str):
+    import pypdfium2 as pdfium
+
+    try:
+        yield
+    except pdfium.PdfiumError as exc:
+        raise MediaError(f"could not read {page} of the PDF ({exc}); the file is corrupt") from exc
+
+
 def page_text(page) -> str:
     """The page's text layer with PDFium's line breaks normalized to '\\n'."""
-    textpage = page.get_textpage()
-    try:
-        text = textpage.get_text_bounded()
-    finally:
-        textpage.close()
+    with _corrupt_page_is_media_error("a page"):
+        textpage = page.get_textpage()
+        try:
+            text = textpage.get_text_bounded()
+        finally:
+            textpage.close()
     return text.replace("\r\n", "\n").replace("\r", "\n").strip()
 
 
@@ -84,7 +102,8 @@ def render_page(page, max_pixels: int, max_scale: float) -> Image.Image:
     """Render one page to an RGB image of at most `max_pixels` pixels."""
     width_pt, height_pt = page.get_size()
     scale = render_scale(width_pt, height_pt, max_pixels, max_scale)
-    bitmap = page.render(scale=scale)
+    with _corrupt_page_is_media_error("a page"):
+        bitmap = page.render(scale=scale)
     try:
         return bitmap.to_pil().convert("RGB")
     finally:

@@ -169,8 +169,9 @@ def _open_container(source: Any):
     target = _container_target(source)
     try:
         return av.open(target, mode="r")
-    except av.FFmpegError as exc:
-        raise MediaError(f"could not open the video ({exc}); send MP4, WebM, MKV, AVI or MOV") from exc
+    except (av.FFmpegError, UnicodeDecodeError) as exc:  # garbage metadata fails to decode
+        raise MediaError(f"could not open the video ({type(exc).__name__}: {exc}); send MP4, "
+                         "WebM, MKV, AVI or MOV") from exc
 
 
 def _container_target(source: Any):
@@ -214,12 +215,17 @@ def _container_info(container, source: Any) -> VideoInfo:
     if not container.streams.video:
         raise MediaError("the file has no video stream")
     stream = container.streams.video[0]
-    fps = float(stream.average_rate or stream.guessed_rate or 0)
+    try:
+        fps = float(stream.average_rate or stream.guessed_rate or 0)
+        width, height = stream.width, stream.height
+    except AttributeError as exc:  # PyAV gives a stream without a codec context no size
+        raise MediaError(f"the video stream has no readable header ({exc}); the file is "
+                         "corrupt") from exc
     num_frames = stream.frames or _count_packets(container, stream)
-    if num_frames <= 0 or fps <= 0 or not stream.width or not stream.height:
+    if num_frames <= 0 or fps <= 0 or not width or not height:
         raise MediaError(f"the video stream has {num_frames} frames at {fps:g} fps, "
-                         f"{stream.width}x{stream.height}: it is empty or corrupt")
-    return VideoInfo(num_frames, fps, stream.width, stream.height)
+                         f"{width}x{height}: it is empty or corrupt")
+    return VideoInfo(num_frames, fps, width, height)
 
 
 def _count_packets(container, stream) -> int:
@@ -239,6 +245,10 @@ def _decode_frames(source: Any, info: VideoInfo,
     frames, timestamps, start = [], [], None
     for index, frame in enumerate(_iter_frames(source)):
         start = frame.time if start is None and frame.time is not None else start
+        if index == next_index and (frame.width, frame.height) != (info.width, info.height):
+            # Frames are checked against the header's pixel limit: none may outgrow it.
+            raise MediaError(f"video frame {index} is {frame.width}x{frame.height} but the "
+                             f"header says {info.width}x{info.height}: the file is corrupt")
         while index == next_index:
             frames.append(frame.to_ndarray(format="rgb24"))  # (H, W, 3) uint8
             seconds = (frame.time - start) if frame.time is not None else index / info.fps
