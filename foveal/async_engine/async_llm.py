@@ -11,6 +11,10 @@ Core process: EngineCore loop (foveal/async_engine/core_process.py)
 The output thread owns the reading side of the core's socket, so outputs flow
 whatever event loop (or loops) the callers run on; a lock guards the
 OutputProcessor and the request table it shares with the callers.
+
+A core that dies or hangs (core_process.py) fails every request in flight with
+EngineDeadError; then the output thread starts a new core (restart_failed_core)
+or the engine stays dead and says so (`when_failed`: a server exits).
 """
 from __future__ import annotations
 
@@ -18,13 +22,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from foveal.async_engine.core_process import EngineCoreProcess
+from foveal.async_engine.core_process import DEFAULT_HANG_TIMEOUT_S, EngineCoreProcess
 from foveal.async_engine.messages import (AbortRequests, CoreFailed, CoreOutputs, MetricsQuery,
                                           MetricsReply, RequestRejected, decode, encode)
 from foveal.async_engine.preprocess_pool import PreprocessedRequest, PreprocessPool
@@ -37,12 +40,13 @@ from foveal.errors import (ConfigError, EngineDeadError, EngineOverloadedError, 
                            InvalidRequestError)
 from foveal.input_processor import PromptType
 from foveal.input_processor.prompt import has_video
+from foveal.logger import init_logger
 from foveal.sampling_params import SamplingParams
 from foveal.stages.assembly import video_transcripts
 from foveal.stages.service import stage_pools_for
 from foveal.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -81,11 +85,16 @@ class AsyncLLM:
     """
 
     def __init__(self, engine_args: EngineArgs, *, preprocess_workers: int = 2,
-                 max_pending_requests: int = 256, stages: Any = None) -> None:
+                 max_pending_requests: int = 256, stages: Any = None,
+                 restart_failed_core: bool = False,
+                 core_hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
         """stages: the StagePools whose "asr" stage transcribes videos' audio tracks
         (its creator closes it; a server passes the pools its input_audio parts
         use), or their config (StagesConfig, "asr=2", None) for pools this engine
-        owns. Stage workers start on first use."""
+        owns. Stage workers start on first use. restart_failed_core: start a new
+        core process when the core dies or hangs (its requests fail either way);
+        otherwise the engine stays dead. core_hang_timeout_s: how long the core
+        may answer nothing (one step's limit) before it counts as hung."""
         if max_pending_requests < 1:
             raise ConfigError(f"max_pending_requests={max_pending_requests}; it must be >= 1")
         self.engine_config = engine_args.create_engine_config()
@@ -98,6 +107,10 @@ class AsyncLLM:
         self._query_ids = itertools.count()
         self._dead_error: EngineDeadError | None = None
         self._shut_down = False
+        self._restart_failed_core = restart_failed_core
+        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._final_error: EngineDeadError | None = None  # dead for good, not restarted
+        self.num_core_restarts = 0
         self.stage_pools, self._owns_stage_pools = stage_pools_for(stages)
         self.role = self.engine_config.transfer.role
         self._exports = Exports(self.engine_config)  # served to disaggregated peers
@@ -105,7 +118,7 @@ class AsyncLLM:
         # The pool first: its workers spawn while the core loads the model.
         self._pool = PreprocessPool(self.engine_config, preprocess_workers)
         try:
-            self._core = EngineCoreProcess(self.engine_config)
+            self._core = EngineCoreProcess(self.engine_config, core_hang_timeout_s)
         except BaseException:
             self._pool.shutdown()
             raise
@@ -286,8 +299,13 @@ class AsyncLLM:
         return metrics
 
     async def get_metrics(self) -> dict[str, float]:
-        """The core's counters and gauges (names as LLM.get_metrics()), and transfers."""
-        return {**await self._core_metrics(), **self.transfer_metrics()}
+        """The core's counters and gauges (names as LLM.get_metrics()), transfers, and
+        the requests this process tracks (0 for both once the server is idle)."""
+        with self._lock:
+            tracked = {"foveal:api_requests_in_flight": len(self._requests),
+                       "foveal:detokenizer_requests":
+                           self._output_processor.num_unfinished_requests()}
+        return {**await self._core_metrics(), **self.transfer_metrics(), **tracked}
 
     async def _core_metrics(self) -> dict[str, float]:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -305,6 +323,22 @@ class AsyncLLM:
     async def check_health(self) -> bool:
         return self._dead_error is None and not self._shut_down and self._core.alive
 
+    @property
+    def core_pid(self) -> int:
+        """The engine core process's id (a new one after each restart)."""
+        return self._core.pid
+
+    def when_failed(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """callback(error), on the output thread, once the engine has failed for
+        good: its core died or hung and was not restarted (or failed to restart).
+        Never after shutdown(). Registered late, it runs at once."""
+        with self._lock:
+            error = self._final_error
+            if error is None:
+                self._failure_callbacks.append(callback)
+                return
+        callback(error)
+
     def _raise_if_dead(self) -> None:
         if self._shut_down:
             raise EngineDeadError("the engine was shut down; create a new AsyncLLM")
@@ -312,17 +346,57 @@ class AsyncLLM:
             raise EngineDeadError(str(self._dead_error))
 
     def _run_output_loop(self) -> None:
+        """The core's outputs until it fails; then a new core, or dead for good."""
+        while True:
+            error = self._pump_outputs()
+            self._fail_all(error)
+            if not self._restart_core(error):
+                break
+        with self._lock:
+            if self._shut_down:
+                return
+            self._final_error = self._dead_error
+            callbacks = list(self._failure_callbacks)
+        logger.error("%s", self._final_error)
+        for callback in callbacks:
+            callback(self._final_error)
+
+    def _pump_outputs(self) -> EngineDeadError:
         while True:
             try:
                 for message in self._core.receive():
                     self._dispatch(message)
             except EngineDeadError as error:
-                self._fail_all(error)
-                return
+                return error
             except Exception as error:  # a bug here would otherwise hang every caller
                 logger.exception("output processing failed")
-                self._fail_all(EngineDeadError(f"output processing failed: {error!r}"))
-                return
+                return EngineDeadError(f"output processing failed: {error!r}")
+
+    def _restart_core(self, error: EngineDeadError) -> bool:
+        """A new core process in place of the failed one (whose requests have
+        failed already); False when the engine stays dead."""
+        with self._lock:
+            if self._shut_down or not self._restart_failed_core:
+                return False
+            failed = self._core
+            self._dead_error = EngineDeadError(f"{error}; a new engine core is starting, "
+                                               f"retry shortly")
+        logger.error("%s; starting a new engine core process", error)
+        try:
+            core = failed.replacement()
+        except Exception as start_error:
+            with self._lock:
+                self._dead_error = EngineDeadError(
+                    f"{error}; the new engine core failed to start: {start_error}")
+            return False
+        with self._lock:
+            if not self._shut_down:
+                self._core, self._dead_error = core, None
+                self.num_core_restarts += 1
+                return True
+        core.stop()
+        core.close()
+        return False
 
     def _dispatch(self, message) -> None:
         if isinstance(message, CoreOutputs):
@@ -407,9 +481,10 @@ class AsyncLLM:
             if self._shut_down:
                 return
             self._shut_down = True
-        self._core.stop()
+            core = self._core  # a restart under way stops its new core itself
+        core.stop()
         self._output_thread.join()
-        self._core.close()
+        core.close()
         self._pool.shutdown()
         self._exports.close()
         if self._owns_stage_pools:

@@ -7,6 +7,13 @@ parent's sentinel, so it neither spins nor outlives the API process.
 
 Two ZeroMQ PUSH/PULL pairs over ipc:// sockets in a private temp folder:
 API -> core carries CoreInput messages, core -> API carries CoreMessages.
+
+Faults are bounded on the API side: a core that exits (killed included) is seen
+at once through its process sentinel; one that stops answering (hung in native
+code, stopped) is seen by a deadline. Whenever the core has been silent for a
+quarter of `hang_timeout_s` the reader pings it; the loop answers between steps,
+or at once when idle. Silent for `hang_timeout_s` in all, it is killed and
+counts as dead. So one step may take at most `hang_timeout_s`.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -22,13 +30,17 @@ import zmq
 
 from foveal.async_engine.messages import (AbortRequests, AddRequest, CoreFailed, CoreMessage,
                                           CoreOutputs, CoreReady, MetricsQuery, MetricsReply,
-                                          RequestRejected, Shutdown, decode, encode)
+                                          Ping, Pong, RequestRejected, Shutdown, decode, encode)
 from foveal.config import EngineConfig
 from foveal.engine.core import EngineCore
-from foveal.errors import EngineDeadError, FovealError, InvalidRequestError
+from foveal.errors import ConfigError, EngineDeadError, FovealError, InvalidRequestError
+from foveal.logger import init_logger
+
+logger = init_logger(__name__)
 
 _STOP_TIMEOUT_S = 10.0
 _STRAGGLER_TIMEOUT_MS = 200  # messages sent just before the core exited
+DEFAULT_HANG_TIMEOUT_S = 60.0
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -109,6 +121,8 @@ class _CoreLoop:
             self.core.abort_requests(message.request_ids, message.status)
         elif isinstance(message, MetricsQuery):
             self._send(MetricsReply(message.query_id, self.core.get_stats()))
+        elif isinstance(message, Ping):
+            self._send(Pong())
         else:
             raise TypeError(f"the engine core got an unknown message {type(message).__name__}")
 
@@ -123,9 +137,19 @@ class EngineCoreProcess:
 
     `send` may be called from any thread; `receive` from one reader thread only.
     The constructor returns once the core has loaded the model and is ready.
+    hang_timeout_s: how long the core may stay silent, pings unanswered, before
+    `receive` kills it and raises EngineDeadError.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+        if hang_timeout_s <= 0:
+            raise ConfigError(f"engine hang timeout {hang_timeout_s:g} s (--engine-hang-timeout): "
+                              f"it must be > 0")
+        self.config = config
+        self.hang_timeout_s = hang_timeout_s
+        self._ping_interval_ms = max(1, int(hang_timeout_s * 250))
+        self._last_heard = time.monotonic()
         self._socket_dir = Path(tempfile.mkdtemp(prefix="foveal-core-"))
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
@@ -149,10 +173,12 @@ class EngineCoreProcess:
             self.stop()
             self.close()
             raise
+        logger.info("engine core process %d is ready (%d KV blocks)", self.pid, self.num_blocks)
 
     def _wait_ready(self) -> int:
+        """Loading the model has no deadline: it is not yet a hang."""
         try:
-            first = self.receive()[0]
+            first = self.receive(deadline=False)[0]
         except EngineDeadError as error:
             raise EngineDeadError(f"the engine core process failed to start: {error}") from None
         if isinstance(first, CoreFailed):
@@ -164,6 +190,10 @@ class EngineCoreProcess:
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def send(self, message_or_frame) -> None:
         """Send a CoreInput (or one already encoded); EngineDeadError if the core is gone."""
@@ -179,21 +209,48 @@ class EngineCoreProcess:
                 raise EngineDeadError(f"the engine core process is unreachable ({error}); "
                                       f"start a new engine") from None
 
-    def receive(self) -> list[CoreMessage]:
-        """Block until the core sends something; EngineDeadError once it exited
-        and every message it sent before exiting has been returned."""
-        events = dict(self._poller.poll())
-        if self._output not in events:
-            if not self._output.poll(_STRAGGLER_TIMEOUT_MS):
-                self.process.join()
+    def receive(self, deadline: bool = True) -> list[CoreMessage]:
+        """Block until the core sends something ([] for an answered ping);
+        EngineDeadError once it exited and every message it sent before exiting
+        has been returned, or (with deadline) once it has been silent for
+        hang_timeout_s (it is killed)."""
+        while True:
+            events = dict(self._poller.poll(self._ping_interval_ms if deadline else None))
+            if self._output in events or self.process.sentinel in events:
+                break
+            silent_s = time.monotonic() - self._last_heard
+            if silent_s >= self.hang_timeout_s:
+                self.kill()
                 raise EngineDeadError(
-                    f"the engine core process exited (exit code {self.process.exitcode})")
+                    f"the engine core process answered nothing for {silent_s:.1f} s (hung; "
+                    f"the limit is {self.hang_timeout_s:g} s, --engine-hang-timeout); it was killed")
+            self.send(Ping())
+        if self._output not in events and not self._output.poll(_STRAGGLER_TIMEOUT_MS):
+            self.process.join()
+            raise EngineDeadError(
+                f"the engine core process exited (exit code {self.process.exitcode})")
+        self._last_heard = time.monotonic()
         messages = []
         while True:
             try:
-                messages.append(decode(self._output.recv(zmq.NOBLOCK)))
+                message = decode(self._output.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return messages
+            if not isinstance(message, Pong):
+                messages.append(message)
+
+    def replacement(self) -> "EngineCoreProcess":
+        """Kill this core (dead or hung) and start a new one like it, ready."""
+        self.kill()
+        self.close()
+        return EngineCoreProcess(self.config, self.hang_timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL: a hung core answers no Shutdown (and a stopped one no SIGTERM).
+        The wait is bounded: a process stuck in a driver call dies when it returns."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(_STOP_TIMEOUT_S)
 
     def stop(self) -> None:
         """Ask the core to exit, then make sure it has; idempotent."""

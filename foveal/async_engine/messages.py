@@ -34,7 +34,12 @@ class Shutdown:
     pass
 
 
-CoreInput = Union[AddRequest, AbortRequests, MetricsQuery, Shutdown]
+@dataclass
+class Ping:
+    """Sent when the core has been silent a while; its loop answers with Pong."""
+
+
+CoreInput = Union[AddRequest, AbortRequests, MetricsQuery, Shutdown, Ping]
 
 
 @dataclass
@@ -74,7 +79,12 @@ class CoreFailed:
     message: str
 
 
-CoreMessage = Union[CoreReady, CoreOutputs, RequestRejected, MetricsReply, CoreFailed]
+@dataclass
+class Pong:
+    """The core loop is alive (an answer to Ping)."""
+
+
+CoreMessage = Union[CoreReady, CoreOutputs, RequestRejected, MetricsReply, CoreFailed, Pong]
 
 
 def encode(message: CoreInput | CoreMessage) -> bytes:

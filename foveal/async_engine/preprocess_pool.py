@@ -147,7 +147,9 @@ class PreprocessPool:
         return await self._call(request_id, _video_speech, prompt)
 
     async def _call(self, request_id: str, function: Callable, *args: Any) -> Any:
-        """function(the worker's InputProcessor, *args), run in the pool."""
+        """function(the worker's InputProcessor, *args), run in the pool. A caller
+        cancelled (its client gone) cancels the job unless the executor has handed it
+        to the workers already (at most one per worker, plus one)."""
         loop = asyncio.get_running_loop()
         executor = self._executor
         try:

@@ -1,6 +1,6 @@
 """`foveal serve [MODEL]`: the OpenAI-compatible HTTP server over AsyncLLM.
 Without MODEL it serves the shipped demo model (foveal/assets/demo_model).
-Besides the engine flags: server flags (names, key, media fetching, the default
+Besides the engine flags: server flags (names, keys and limits, media fetching, the default
 visual-token budget) and the preprocessing stage flags (--stage-workers, ...)."""
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def _model_dir(model: str | None) -> str:
 
 def server_config(args: argparse.Namespace, model_dir: str):
     """The API-side options (names, key, media fetching, stages) from parsed flags."""
+    from foveal.entrypoints.openai.security import SecurityConfig, api_keys_from
     from foveal.entrypoints.openai.serving_engine import ServerConfig
     from foveal.multimodal.media.fetch import MediaFetchConfig
 
@@ -33,11 +34,19 @@ def server_config(args: argparse.Namespace, model_dir: str):
     if local_root and not Path(local_root).is_dir():
         raise ConfigError(f"--allowed-local-media-path {local_root!r} is not a folder")
     names = tuple(args.served_model_name or [args.model or DEMO_MODEL_NAME])
+    domains = None if args.allowed_media_domains is None else tuple(args.allowed_media_domains)
     media = MediaFetchConfig(timeout_s=args.media_fetch_timeout,
                              max_bytes=args.max_media_bytes,
-                             allowed_local_media_path=local_root)
-    return ServerConfig(served_model_names=names, model_path=model_dir,
-                        api_key=args.api_key, media=media, stages=stages_config_from_args(args))
+                             allowed_local_media_path=local_root,
+                             allowed_media_domains=domains,
+                             allow_private_media_urls=args.allow_private_media_urls)
+    security = SecurityConfig(api_keys=api_keys_from(args.api_key),
+                              rate_limit_rpm=args.rate_limit_rpm,
+                              max_concurrent_per_key=args.max_concurrent_per_key,
+                              max_request_bytes=args.max_request_bytes)
+    return ServerConfig(served_model_names=names, model_path=model_dir, security=security,
+                        media=media, stages=stages_config_from_args(args),
+                        playground=not args.no_playground)
 
 
 def serve_engine_kwargs(args: argparse.Namespace) -> dict:
@@ -64,7 +73,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = server_config(args, model_dir)
     engine_args = EngineArgs.from_kwargs(model_dir, **serve_engine_kwargs(args))
     engine = AsyncLLM(engine_args, preprocess_workers=args.preprocess_workers,
-                      max_pending_requests=args.max_pending_requests, stages=config.stages)
+                      max_pending_requests=args.max_pending_requests, stages=config.stages,
+                      restart_failed_core=args.on_engine_failure == "restart",
+                      core_hang_timeout_s=args.engine_hang_timeout)
     services = ()
     if args.router:
         from foveal.disagg.registration import RouterRegistration
@@ -72,8 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
         role = "decode" if args.role == "mixed" else args.role
         services = (RouterRegistration(args.router, role, f"http://{args.host}:{args.port}",
                                        args.router_api_key),)
-    serve(engine, config, args.host, args.port, services)
-    return 0
+    return serve(engine, config, args.host, args.port, services)
 
 
 _TRANSFER_FLAGS = {"role": "role", "transfer_host": "transfer_host",
@@ -113,15 +123,38 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    server.add_argument("--api-key", action="append",
+                        help="require 'Authorization: Bearer KEY' on /v1/*; repeat the flag for "
+                             "several keys (default: FOVEAL_API_KEY, if set)")
+    server.add_argument("--rate-limit-rpm", type=int, metavar="N",
+                        help="requests per minute per API key (per client IP without keys); "
+                             "over it: 429 with Retry-After")
+    server.add_argument("--max-concurrent-per-key", type=int, metavar="N",
+                        help="requests in flight per API key (per client IP without keys)")
+    server.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024,
+                        help="largest request body, in bytes (images arrive base64 in it)")
+    server.add_argument("--no-playground", action="store_true",
+                        help="do not serve the web playground at /")
     server.add_argument("--served-model-name", nargs="+",
                         help="name(s) clients send as 'model' (default: MODEL as given)")
     server.add_argument("--allowed-local-media-path", metavar="DIR",
                         help="allow file:// image and video URLs under DIR (off by default)")
+    server.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                        help="fetch http(s) media only from these hosts (exact names, "
+                             "subdomains not implied), whatever address they resolve to")
+    server.add_argument("--allow-private-media-urls", action="store_true",
+                        help="let media URLs reach loopback, private and link-local addresses "
+                             "(refused by default; for trusted networks)")
     server.add_argument("--preprocess-workers", type=int, default=2,
                         help="processes decoding and resizing media")
     server.add_argument("--max-pending-requests", type=int, default=256,
                         help="requests queued before the server answers 503")
+    server.add_argument("--on-engine-failure", choices=["exit", "restart"], default="exit",
+                        help="when the engine core process dies or hangs (its requests get "
+                             "503): exit with code 1, or start a new core and serve again")
+    server.add_argument("--engine-hang-timeout", type=float, default=60.0,
+                        help="seconds the engine core may answer nothing (one step's limit) "
+                             "before it counts as hung and is killed")
     server.add_argument("--media-fetch-timeout", type=float, default=10.0,
                         help="seconds to fetch one image or video URL")
     server.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024,

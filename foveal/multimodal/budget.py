@@ -87,6 +87,9 @@ class ItemPlan:
     num_frames: int  # sampled frames (videos); 1 for images
     num_tokens: int
     detail: str = "auto"
+    width: int = 0  # frame size after resizing, in pixels
+    height: int = 0
+    downsampled: bool = False  # the budget gave it less than its preferred setting
 
 
 @dataclass(frozen=True)
@@ -199,5 +202,11 @@ def plan_media(items: Iterable[MediaItem], geometry: Geometry,
 
 
 def _plan(options: list[_ItemOptions], settings: list[_Setting], budget: int | None) -> MediaPlan:
-    return MediaPlan(tuple(ItemPlan(o.modality, s.max_pixels, s.num_frames, s.tokens, o.detail)
-                           for o, s in zip(options, settings)), budget)
+    return MediaPlan(tuple(_item_plan(o, s) for o, s in zip(options, settings)), budget)
+
+
+def _item_plan(option: _ItemOptions, setting: _Setting) -> ItemPlan:
+    item, factor = option.item, option.geometry.factor
+    height, width = smart_resize(item.height, item.width, factor, option.min_pixels, setting.max_pixels)
+    return ItemPlan(option.modality, setting.max_pixels, setting.num_frames, setting.tokens,
+                    option.detail, width, height, downsampled=setting != option.preferred)

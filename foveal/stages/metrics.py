@@ -20,6 +20,7 @@ class StageMetrics:
         self.cache_misses = 0
         self.rejected = 0
         self.worker_restarts = 0
+        self.cancelled = 0  # queued items every caller gave up on
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)  # last: +Inf
         self.latency_sum = 0.0
         self._recent: deque[float] = deque()  # completion times within RATE_WINDOW_S
@@ -59,6 +60,7 @@ class StageMetrics:
             f"foveal:stage_cache_hits_total{{{label}}}": self.cache_hits,
             f"foveal:stage_cache_misses_total{{{label}}}": self.cache_misses,
             f"foveal:stage_worker_restarts_total{{{label}}}": self.worker_restarts,
+            f"foveal:stage_cancelled_total{{{label}}}": self.cancelled,
             f"foveal:stage_items_per_second{{{label}}}": self.items_per_second(),
             f"foveal:stage_latency_seconds_sum{{{label}}}": self.latency_sum,
             f"foveal:stage_latency_seconds_count{{{label}}}": sum(self.latency_counts),

@@ -12,9 +12,11 @@ Failure rules:
   second death fails that item with StageError.
 - timeout: the worker is killed (it may be stuck in native code) and replaced
   on the next batch; the batch fails with StageTimeoutError.
+- cancelled while queued (its caller gave up): it leaves the queue at once.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import queue
 import threading
@@ -29,11 +31,23 @@ from foveal.stages.worker import worker_main
 _POLL_S = 0.2
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     item: Any
     future: Future
     attempts: int = 0
+
+
+class _JobQueue(queue.Queue):
+    """Bounded FIFO; a job cancelled while it waits leaves at once, freeing its slot."""
+
+    def discard(self, job: _Job) -> None:
+        with self.mutex:
+            try:
+                self.queue.remove(job)
+            except ValueError:
+                return  # a feeder has taken it
+            self.not_full.notify()
 
 
 class _WorkerDied(Exception):
@@ -131,7 +145,7 @@ class LocalStagePool:
         self.timeout_s = timeout_s
         self.max_batch_size = max_batch_size
         self.metrics = metrics
-        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=queue_size)
+        self._queue = _JobQueue(maxsize=queue_size)
         self._workers = [WorkerProcess(stage, target, options, startup_timeout_s)
                          for _ in range(num_workers)]
         self._threads: list[threading.Thread] = []
@@ -164,15 +178,21 @@ class LocalStagePool:
             raise StageError(f"the {self.stage} stage pool is closed")
         self._start_threads()
         future: Future = Future()
+        job = _Job(item, future)
         try:
-            self._queue.put_nowait(_Job(item, future))
+            self._queue.put_nowait(job)
         except queue.Full:
             self.metrics.count("rejected")
             raise StageOverloadedError(
                 f"{self.stage} stage queue is full ({self._queue.maxsize} items waiting for "
                 f"{self.num_workers} worker(s)); retry later, or add workers "
                 f"(--stage-workers {self.stage}=N) or raise --stage-queue-size") from None
+        future.add_done_callback(functools.partial(self._discard_if_cancelled, job))
         return future
+
+    def _discard_if_cancelled(self, job: _Job, future: Future) -> None:
+        if future.cancelled():
+            self._queue.discard(job)
 
     def _start_threads(self) -> None:
         with self._start_lock:

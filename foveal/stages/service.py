@@ -10,6 +10,9 @@ of both sits one content-hash cache: a repeated input (same bytes, same
 parameters) is answered without reaching a worker, and identical items
 already in flight share one computation. Futures are thread-safe, so
 stage work of one request runs concurrently with other requests' work.
+When every caller waiting on a queued item has been cancelled (its client
+went away), the item is cancelled and leaves the queue; one already running
+finishes and is cached (a retry of the same input finds it).
 """
 from __future__ import annotations
 
@@ -35,15 +38,34 @@ class StagePools:
         self._backends: dict[str, Any] = {}  # name -> LocalStagePool | RemoteStage
         self._metrics: dict[str, StageMetrics] = {}
         self._in_flight: dict[str, Future] = {}
-        self._lock = threading.Lock()
+        self._num_waiting: dict[Future, int] = {}  # callers of each future not yet done
+        self._lock = threading.RLock()  # reentrant: a future cancelled under it runs _finish
 
     async def run(self, stage: str, item: Any) -> Any:
         """The stage's result for `item`; raises the stage's typed error."""
-        # shielded: a cancelled request must not cancel work another request shares
-        return await asyncio.shield(asyncio.wrap_future(self.submit(stage, item)))
+        future = self.submit(stage, item)
+        try:
+            # shielded: a cancelled request must not cancel work another request shares
+            return await asyncio.shield(asyncio.wrap_future(future))
+        finally:
+            self._leave(future)
 
     def run_sync(self, stage: str, item: Any) -> Any:
-        return self.submit(stage, item).result()
+        future = self.submit(stage, item)
+        try:
+            return future.result()
+        finally:
+            self._leave(future)
+
+    def _leave(self, future: Future) -> None:
+        """A caller stops waiting; the last one to leave cancels a job still queued."""
+        with self._lock:  # so that no caller joins a future being cancelled
+            num_waiting = self._num_waiting.get(future, 0) - 1
+            if num_waiting > 0:
+                self._num_waiting[future] = num_waiting
+            else:
+                self._num_waiting.pop(future, None)
+                future.cancel()  # no-op once a worker has it
 
     def submit(self, stage: str, item: Any) -> Future:
         """A future for the result: done at once on a cache hit; raises
@@ -54,12 +76,15 @@ class StagePools:
         with self._lock:
             shared = self._in_flight.get(key)
             cached = self.cache.get(key) if shared is None else None
+            if shared is not None:
+                self._num_waiting[shared] = self._num_waiting.get(shared, 0) + 1
             if shared is not None or cached is not None:
                 metrics.count("cache_hits")
                 return shared or _done(cached)
             metrics.count("cache_misses")
             future = backend.submit(item)
             self._in_flight[key] = future
+            self._num_waiting[future] = 1
         started = time.monotonic()
         future.add_done_callback(lambda done: self._finish(stage, key, done, started))
         return future
@@ -68,9 +93,13 @@ class StagePools:
         ok = not future.cancelled() and future.exception() is None
         with self._lock:
             self._in_flight.pop(key, None)
+            self._num_waiting.pop(future, None)
             if ok:
                 self.cache.put(key, future.result())
-        self._metrics[stage].observe(time.monotonic() - started, ok)
+        if future.cancelled():
+            self._metrics[stage].count("cancelled")
+        else:
+            self._metrics[stage].observe(time.monotonic() - started, ok)
 
     def warm_up(self, *stages: str) -> None:
         """Start the named stages' workers now (models loaded), e.g. before serving traffic."""

@@ -21,6 +21,7 @@ import uvicorn  # noqa: E402
 
 from foveal.engine.output import CompletionOutput, RequestOutput  # noqa: E402
 from foveal.entrypoints.openai.api_server import build_app  # noqa: E402
+from foveal.entrypoints.openai.security import SecurityConfig  # noqa: E402
 from foveal.entrypoints.openai.serving_engine import ServerConfig  # noqa: E402
 from foveal.errors import EngineOverloadedError  # noqa: E402
 from foveal.multimodal.media.fetch import MediaFetchConfig  # noqa: E402
@@ -68,11 +69,16 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(engine, model_dir: str, media_root: str | None = None, api_key: str | None = None):
-    """A live server over `engine` (several apps may share one engine)."""
-    media = MediaFetchConfig(timeout_s=0.5, max_bytes=200_000, allowed_local_media_path=media_root)
+def serving(engine, model_dir: str, media_root: str | None = None, api_key: str | None = None,
+            security: SecurityConfig | None = None, media: MediaFetchConfig | None = None):
+    """A live server over `engine` (several apps may share one engine). Media may come
+    from 127.0.0.1, where the tests' media servers listen, unless `media` says otherwise."""
+    media = media or MediaFetchConfig(timeout_s=0.5, max_bytes=200_000,
+                                      allowed_local_media_path=media_root,
+                                      allowed_media_domains=("127.0.0.1",))
+    security = security or SecurityConfig(api_keys=(api_key,) if api_key else ())
     config = ServerConfig(served_model_names=(MODEL_NAME,), model_path=model_dir,
-                          api_key=api_key, media=media)
+                          security=security, media=media)
     with LiveServer(build_app(engine, config)) as server:
         yield server
 
@@ -419,7 +425,8 @@ def test_serve_flags_become_the_server_config(tmp_path):
                  "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout", "2.5",
                  "--max-media-bytes", "1000", "--max-model-len", "512")
     config = server_config(args, "/models/x")
-    assert (config.served_model_names, config.api_key, args.port) == (("a", "b"), "k", 9001)
+    assert (config.served_model_names, config.security.api_keys, args.port) == (
+        ("a", "b"), ("k",), 9001)
     assert config.media.allowed_local_media_path == str(tmp_path)
     assert (config.media.timeout_s, config.media.max_bytes) == (2.5, 1000)
     assert args.max_model_len == 512 and args.host == "127.0.0.1"

@@ -93,7 +93,8 @@ def bytes_http_server(files: dict[str, bytes]):
 
 @contextlib.contextmanager
 def media_server(engine, model_dir: str, pools: StagePools):
-    media = MediaFetchConfig(timeout_s=5.0, max_bytes=2_000_000)
+    media = MediaFetchConfig(timeout_s=5.0, max_bytes=2_000_000,
+                             allowed_media_domains=("127.0.0.1",))  # the test's media server
     config = ServerConfig(served_model_names=(MODEL_NAME,), model_path=model_dir, media=media)
     with LiveServer(build_app(engine, config, stage_pools=pools)) as server:
         yield server

@@ -115,3 +115,20 @@ def test_request_below_the_minimum_names_budget_and_minimum():
     needed = 2 * GEOMETRY.frame_tokens(1280, 720, min_px, min_px)  # 4 frames = 2 temporal patches
     with pytest.raises(MediaLimitError, match=rf"at least {needed} visual tokens.*budget is 100"):
         plan_media([VideoItem(1280, 720, num_frames=60)], GEOMETRY, 100)
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests, budgets)
+def test_plan_reports_each_items_resized_size_and_whether_the_budget_cut_it(items, budget):
+    try:
+        plan = plan_media(items, GEOMETRY, budget)
+    except MediaLimitError:
+        return
+    factor, temporal = GEOMETRY.factor, GEOMETRY.temporal_patch_size
+    for chosen, preferred in zip(plan.items, plan_media(items, GEOMETRY).items):
+        assert chosen.width % factor == 0 and chosen.height % factor == 0
+        patches = -(-chosen.num_frames // temporal) if chosen.modality == "video" else 1
+        assert chosen.num_tokens == (chosen.width // factor) * (chosen.height // factor) * patches
+        assert not preferred.downsampled
+        cut = (chosen.max_pixels, chosen.num_frames) != (preferred.max_pixels, preferred.num_frames)
+        assert chosen.downsampled == cut

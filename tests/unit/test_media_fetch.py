@@ -67,15 +67,16 @@ def media_http_server():
 
 
 @contextlib.contextmanager
-def loopback_http_server(handler: type):
-    """Serves `handler` on a free 127.0.0.1 port in a thread; yields the base URL."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def loopback_http_server(handler: type, host: str = "127.0.0.1"):
+    """Serves `handler` on a free port of `host` (a loopback address) in a thread;
+    yields the base URL."""
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
     server.daemon_threads, server.block_on_close = True, False
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://{host}:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
@@ -83,7 +84,9 @@ def loopback_http_server(handler: type):
 
 def fetch(url: str, **config) -> bytes:
     async def run() -> bytes:
+        # The media server is on loopback, which only an allow-listed host may reach.
         fetcher = MediaFetcher(MediaFetchConfig(**{"timeout_s": 0.5, "max_bytes": 200_000,
+                                                   "allowed_media_domains": ("127.0.0.1",),
                                                    **config}))
         try:
             return await fetcher.fetch(url)

@@ -5,11 +5,10 @@ under uvicorn."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import foveal
@@ -17,14 +16,13 @@ from foveal.entrypoints.openai.errors import error_response, install_error_handl
 from foveal.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from foveal.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 ModelCard, ModelList)
+from foveal.entrypoints.openai.playground import mount_playground, open_routes
+from foveal.entrypoints.openai.security import OPEN_ROUTES, install_security
 from foveal.entrypoints.openai.serving_chat import OpenAIServingChat
 from foveal.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from foveal.entrypoints.openai.serving_engine import ServerConfig
 from foveal.multimodal.media.fetch import MediaFetcher
 from foveal.stages.service import StagePools
-
-# Reachable without the API key: load balancers and scrapers hold no secrets.
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 def build_app(engine, config: ServerConfig, *, owns_engine: bool = False,
@@ -58,16 +56,19 @@ def build_app(engine, config: ServerConfig, *, owns_engine: bool = False,
                   lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.playground:
+        mount_playground(app)
+    install_security(app, config.security,
+                     open_routes(OPEN_ROUTES) if config.playground else OPEN_ROUTES)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest) -> Response:
-        return await chat.create(request)
+    async def create_chat_completion(request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        return await chat.handle(request, raw_request)
 
     @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest) -> Response:
-        return await completion.create(request)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.handle(request, raw_request)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -96,31 +97,24 @@ def _add_service_routes(app: FastAPI, engine, metrics: ServerMetrics) -> None:
         return JSONResponse({"version": foveal.__version__})
 
 
-class APIKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware), so streamed responses pass untouched."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" \
-                or scope["path"] in _OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
-            return await self.app(scope, receive, send)
-        response = error_response("missing or wrong API key; send 'Authorization: Bearer "
-                                  "<key>' with the key the server was started with (--api-key)",
-                                  HTTPStatus.UNAUTHORIZED)
-        await response(scope, receive, send)
-
-
-def serve(engine, config: ServerConfig, host: str, port: int, services: tuple = ()) -> None:
-    """Blocks until interrupted. The engine stops in the app's shutdown: uvicorn
-    re-raises SIGINT/SIGTERM once it has stopped, so code after run() never runs."""
+def serve(engine, config: ServerConfig, host: str, port: int, services: tuple = ()) -> int:
+    """Blocks until interrupted, or until the engine has failed for good (its core
+    died or hung and was not restarted): then it stops and returns exit code 1
+    (as when the server could not start).
+    The engine stops in the app's shutdown: uvicorn re-raises SIGINT/SIGTERM once
+    it has stopped, so code after run() never runs then."""
     import uvicorn
 
     app = build_app(engine, config, owns_engine=True, stage_pools=engine.stage_pools,
                     services=services)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_keep_alive=5, timeout_graceful_shutdown=5))
+    failures = []
+
+    def stop_serving(error) -> None:
+        failures.append(error)
+        server.should_exit = True  # uvicorn's main loop polls it, as its signal handler sets it
+
+    engine.when_failed(stop_serving)
+    server.run()
+    return 1 if failures or not server.started else 0

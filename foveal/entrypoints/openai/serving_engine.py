@@ -1,22 +1,27 @@
 """What chat and text completions share: the served-model check, the engine
-stream (aborted when its consumer goes away), folding deltas into one answer,
-usage, and Server-Sent Events framing."""
+stream (aborted when its consumer goes away), a request cancelled when its
+client disconnects, folding deltas into one answer, usage, and Server-Sent
+Events framing."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import anyio
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive
 
 from foveal.engine.output import Logprob, RequestOutput
 from foveal.entrypoints.openai.errors import APIError, error_body, status_of
 from foveal.entrypoints.openai.metrics import ServerMetrics, TokenTimer
 from foveal.entrypoints.openai.protocol import MediaItemPlan, PromptTokensDetails, UsageInfo
+from foveal.entrypoints.openai.security import SecurityConfig
 from foveal.errors import FovealError, InvalidRequestError
 from foveal.multimodal.media.fetch import MediaFetchConfig, MediaFetcher
 from foveal.sampling_params import SamplingParams
@@ -27,9 +32,10 @@ from foveal.stages.config import StagesConfig
 class ServerConfig:
     served_model_names: tuple[str, ...]
     model_path: str
-    api_key: str | None = None
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # keys, limits, body size
     media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)  # PDF, OCR, ASR pools
+    playground: bool = True  # the web page at "/" (foveal/entrypoints/openai/playground)
 
 
 @dataclass
@@ -87,6 +93,33 @@ def sse(payload: BaseModel | dict) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned
+
+
+async def unless_disconnected(work: Awaitable[Response], receive: Receive) -> Response:
+    """`work`'s response, unless the client disconnects first: then `work` is
+    cancelled, which aborts all it started (stage jobs, preprocessing, the engine
+    request), and a 499 goes to nobody. Once the body has been read, the next
+    ASGI message is http.disconnect, so one pending receive() watches for free.
+    A streamed response, once returned, watches its client itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # its cleanup (aborts) runs before we return
+    if task.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
 
 class OpenAIServing:
     def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics,
@@ -98,6 +131,13 @@ class OpenAIServing:
         self.image_token_id = engine.engine_config.model.image_token_id
         self.video_token_id = engine.engine_config.model.video_token_id
         self.vocab_size = engine.engine_config.model.text.vocab_size
+
+    async def create(self, request: BaseModel) -> Response:
+        raise NotImplementedError
+
+    async def handle(self, request: BaseModel, raw_request: Request) -> Response:
+        """create(request), cancelled if the client disconnects first."""
+        return await unless_disconnected(self.create(request), raw_request.receive)
 
     def served_model(self, requested: str | None) -> str:
         names = self.config.served_model_names
@@ -150,8 +190,10 @@ class OpenAIServing:
     async def collect(self, first: RequestOutput, rest: AsyncIterator[RequestOutput]
                       ) -> FinalOutput:
         final = FinalOutput(list(first.prompt_token_ids))
-        async for output in chain(first, rest):
-            final.add(output)
+        # closed on cancellation too (client gone), so the request is aborted now
+        async with contextlib.aclosing(chain(first, rest)) as outputs:
+            async for output in outputs:
+                final.add(output)
         return final
 
     def usage(self, final: FinalOutput) -> UsageInfo:
@@ -160,9 +202,8 @@ class OpenAIServing:
         details = PromptTokensDetails(cached_tokens=final.num_cached_tokens,
                                       image_tokens=prompt_ids.count(self.image_token_id),
                                       video_tokens=prompt_ids.count(self.video_token_id))
-        plan = [MediaItemPlan(modality=item.modality, num_tokens=item.num_tokens,
-                              detail=item.detail, num_frames=item.num_frames,
-                              max_pixels=item.max_pixels) for item in final.mm_plan or ()]
+        plan = [MediaItemPlan.model_validate(item, from_attributes=True)
+                for item in final.mm_plan or ()]
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                          total_tokens=num_prompt + num_completion,
                          prompt_tokens_details=details, mm_plan=plan)
