@@ -13,6 +13,7 @@ from foveal.bench.kv_cache import register_kv_cache
 from foveal.bench.model_source import add_model_source_args, model_dir_from_args
 from foveal.bench.multiturn import register_multiturn
 from foveal.bench.serve import register_serve
+from foveal.bench.soak import register_soak
 from foveal.bench.stages import register_stages
 from foveal.bench.sweep import register_sweep
 from foveal.bench.video import register_video
@@ -106,6 +107,7 @@ def register(subparsers) -> None:
     throughput.set_defaults(func=run_bench_throughput)
 
     register_serve(bench_commands)
+    register_soak(bench_commands)
     register_multiturn(bench_commands)
     register_stages(bench_commands)
     register_video(bench_commands)

@@ -28,9 +28,10 @@ from foveal.bench.workload import (WorkloadSpec, add_workload_args, draw_images,
                                    workload_spec_from_args)
 from foveal.errors import ConfigError
 
-_WORDS = ("image", "describe", "color", "shape", "left", "right", "top", "bottom", "small",
-          "large", "what", "where", "count", "the", "a", "object", "scene", "light", "dark",
-          "near", "far", "red", "green", "blue", "text", "read", "tell", "me", "about", "this")
+PROMPT_WORDS = ("image", "describe", "color", "shape", "left", "right", "top", "bottom",
+                "small", "large", "what", "where", "count", "the", "a", "object", "scene",
+                "light", "dark", "near", "far", "red", "green", "blue", "text", "read", "tell",
+                "me", "about", "this")
 _SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -57,7 +58,7 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-def _png_data_url(pixels: np.ndarray) -> str:
+def png_data_url(pixels: np.ndarray) -> str:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -68,9 +69,9 @@ def build_chat_requests(spec: WorkloadSpec) -> list[ChatRequest]:
     rng = np.random.default_rng(spec.seed)
     requests = []
     for _ in range(spec.num_prompts):
-        parts = [{"type": "image_url", "image_url": {"url": _png_data_url(pixels)}}
+        parts = [{"type": "image_url", "image_url": {"url": png_data_url(pixels)}}
                  for pixels in draw_images(spec, rng)]
-        words = rng.choice(_WORDS, size=spec.input_len).tolist() if spec.input_len else []
+        words = rng.choice(PROMPT_WORDS, size=spec.input_len).tolist() if spec.input_len else []
         parts.append({"type": "text", "text": " ".join(words)})
         output_len = draw_output_len(spec, rng)
         requests.append(ChatRequest([{"role": "user", "content": parts}], output_len))
@@ -171,7 +172,7 @@ async def run_requests(plan: ServeBenchPlan, requests: list[ChatRequest]
     return list(results), time.perf_counter() - start, model
 
 
-def _stats_ms(values: list[float]) -> dict[str, float | None]:
+def latency_stats_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "median": None, "p99": None}
     array = np.asarray(values) * 1000.0
@@ -196,10 +197,10 @@ def summarize(results: list[RequestResult], duration_s: float,
         "request_throughput": len(done) / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration_s,
-        "ttft_ms": _stats_ms([result.ttft for result in done]),
-        "tpot_ms": _stats_ms([result.tpot for result in done if result.tpot is not None]),
-        "itl_ms": _stats_ms([gap for result in done for gap in result.itl]),
-        "e2el_ms": _stats_ms([result.latency for result in done]),
+        "ttft_ms": latency_stats_ms([result.ttft for result in done]),
+        "tpot_ms": latency_stats_ms([result.tpot for result in done if result.tpot is not None]),
+        "itl_ms": latency_stats_ms([gap for result in done for gap in result.itl]),
+        "e2el_ms": latency_stats_ms([result.latency for result in done]),
         "goodput": None,
     }
     if slos_ms:

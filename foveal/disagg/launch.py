@@ -97,8 +97,22 @@ def start_all(servers: list[ServerProcess], timeout_s: float = 180.0) -> None:
         server.wait_ready(deadline)
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics: each sample by its full key (labels included), and
+    each metric name summed over its labels."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        name = key.split("{", 1)[0]
+        if name != key:
+            values[key] = float(value)
+        values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
 def metric(url: str, name: str) -> float:
     """One metric of a server's /metrics, summed over its labels (0 if absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"))
+    return scrape_metrics(url).get(name, 0.0)

@@ -50,6 +50,15 @@ class EncoderBudget:
         entry = self._entries.get(mm_hash)
         return entry is not None and request_id in entry.request_ids
 
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_held_entries(self) -> int:
+        """Entries some unfinished request still references (0 when idle)."""
+        return len(self._entries) - len(self._unreferenced)
+
     def num_refs(self, mm_hash: str) -> int:
         entry = self._entries.get(mm_hash)
         return 0 if entry is None else len(entry.request_ids)

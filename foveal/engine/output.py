@@ -164,6 +164,9 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
     def process(self, outputs: list[EngineCoreOutput]
                 ) -> tuple[list[RequestOutput], list[str]]:
         request_outputs: list[RequestOutput] = []

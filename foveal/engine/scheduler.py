@@ -132,6 +132,8 @@ class Scheduler:
             self.stats.kv_offload_hits = self.offload.num_hits
             self.stats.kv_offload_saves = self.offload.num_saves
             self.stats.kv_offload_bytes = self.offload.num_bytes_stored
+        self.stats.encoder_cache_entries = self.encoder.num_entries
+        self.stats.encoder_cache_held_entries = self.encoder.num_held_entries
         return self.stats.as_dict(len(self.running), len(self.waiting), self.kv.usage)
 
     def schedule(self) -> StepPlan:

@@ -19,6 +19,8 @@ class SchedulerStats:
     kv_offload_hits: int = 0  # blocks loaded back from the offload tier
     kv_offload_saves: int = 0  # blocks copied into it
     kv_offload_bytes: int = 0  # gauge: bytes it holds
+    encoder_cache_entries: int = 0  # gauge: media embeddings the workers hold
+    encoder_cache_held_entries: int = 0  # gauge: of those, referenced by unfinished requests
     num_preemptions: int = 0
     kv_imported_tokens: int = 0  # disaggregated decode: prompt tokens whose KV came in
     kv_exported_tokens: int = 0  # disaggregated prefill: prompt tokens whose KV went out
@@ -69,6 +71,8 @@ class SchedulerStats:
             "foveal:kv_offload_hits_total": self.kv_offload_hits,
             "foveal:kv_offload_saves_total": self.kv_offload_saves,
             "foveal:kv_offload_bytes": self.kv_offload_bytes,
+            "foveal:encoder_cache_entries": self.encoder_cache_entries,
+            "foveal:encoder_cache_held_entries": self.encoder_cache_held_entries,
             "foveal:num_preemptions_total": self.num_preemptions,
             "foveal:kv_imported_tokens_total": self.kv_imported_tokens,
             "foveal:kv_exported_tokens_total": self.kv_exported_tokens,

@@ -7,6 +7,7 @@ list of results or exceptions, one per item. `None` or a closed pipe ends it.
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 from foveal.errors import FovealError, StageError
@@ -15,6 +16,8 @@ from foveal.errors import FovealError, StageError
 def worker_main(conn, target: str, options: dict[str, Any]) -> None:
     from foveal.stages import load_stage_class
 
+    # Ctrl-C reaches the whole process group; the pool that owns us decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         stage = load_stage_class(target)(**options)
         stage.load()

@@ -8,6 +8,13 @@ and gauges (`foveal:prompt_tokens_total`, `foveal:kv_cache_usage_perc`,
 (`foveal:stage_items_total{stage="pdf"}`, `foveal:stage_queue_depth`, ...) from
 `StagePools.get_metrics()`. Both snapshots are exported as they are: a name
 ending in `_total` is a counter, any other a gauge.
+
+Gauges that read 0 on an idle server (`foveal bench soak` checks them):
+`foveal:kv_cache_usage_perc`, `foveal:num_requests_running` / `_waiting`,
+`foveal:encoder_cache_held_entries` (encoder cache entries an unfinished request
+references), `foveal:api_requests_in_flight` and `foveal:detokenizer_requests`
+(the API process's request table and output processor), and
+`foveal:stage_queue_depth`.
 """
 from __future__ import annotations
 
