@@ -40,7 +40,7 @@ logger = init_logger(__name__)
 
 _STOP_TIMEOUT_S = 10.0
 _STRAGGLER_TIMEOUT_MS = 200  # messages sent just before the core exited
-DEFAULT_HANG_TIMEOUT_S = 60.0
+DEFAULT_HANG_TIMEOUT_S = 300.0  # as the multi-process executor's step timeout (executor/ranks.py)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:

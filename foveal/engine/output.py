@@ -61,6 +61,10 @@ class RequestOutput:
     # The downsampling planner's choice per media item, in prompt order
     # (foveal.multimodal.budget.ItemPlan: modality, max_pixels, num_frames, num_tokens, detail).
     mm_plan: list | None = None
+    # Media items looked up in the encoder cache so far (those the prefix-cache hit
+    # did not cover), and how many were already encoded there.
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
     # Disaggregated serving, on the final output: where a decode worker pulls
     # this prompt's KV (prefill), or a prefill worker the embeddings (encode).
     kv_transfer_params: dict | None = None
@@ -284,4 +288,6 @@ class OutputProcessor:
                                       state.finish_reason, state.stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              [completion], state.finished, output.num_cached_tokens,
-                             state.metrics, output.error)
+                             state.metrics, output.error,
+                             encoder_cache_queries=output.encoder_cache_queries,
+                             encoder_cache_hits=output.encoder_cache_hits)

@@ -56,6 +56,9 @@ class Request:
 
     num_computed_tokens: tokens whose KV is in the cache (prefix hits included).
     num_cached_tokens:   prefix-cache hit at first admission; -1 before it.
+    encoder_cache_queries / encoder_cache_hits: media items this request looked up
+                         in the encoder cache (those its prefix-cache hit did not
+                         cover), and how many of them were already encoded.
     block_hashes:        prefix hashes of the full blocks of all_token_ids
                          computed so far (filled by the KV manager).
     spec_token_ids:      draft tokens a proposer guessed after all_token_ids,
@@ -86,6 +89,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
+        self.encoder_cache_queries = 0
+        self.encoder_cache_hits = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.error_message: str | None = None
@@ -141,6 +146,8 @@ class EngineCoreOutput:
     new_logprobs: list[Logprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    encoder_cache_queries: int = 0  # media items looked up in the encoder cache, so far
+    encoder_cache_hits: int = 0  # of those, already encoded
     # disaggregation: the prompt's KV blocks (export_kv), or, from an encode
     # worker, mm_hash -> embeddings (host tensors, opaque here)
     kv_export: dict | None = None

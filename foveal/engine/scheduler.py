@@ -293,6 +293,8 @@ class Scheduler:
             self.encoder.allocate(request.request_id, feature)
             self.stats.encoder_cache_queries += 1
             self.stats.encoder_cache_hits += cached
+            request.encoder_cache_queries += 1
+            request.encoder_cache_hits += cached
         return num_new, to_encode
 
     def _record(self, plan: StepPlan, budget: _StepBudget, request: Request, num_new: int,
@@ -375,7 +377,9 @@ class Scheduler:
             self._finish(request, status)
         logprobs = runner_output.logprobs.get(request.request_id, [])[:len(kept)]
         return EngineCoreOutput(request.request_id, kept, request.status.finish_reason,
-                                request.stop_reason, logprobs, request.num_cached_tokens)
+                                request.stop_reason, logprobs, request.num_cached_tokens,
+                                encoder_cache_queries=request.encoder_cache_queries,
+                                encoder_cache_hits=request.encoder_cache_hits)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """End a request and return everything it held."""

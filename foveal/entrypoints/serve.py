@@ -152,7 +152,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--on-engine-failure", choices=["exit", "restart"], default="exit",
                         help="when the engine core process dies or hangs (its requests get "
                              "503): exit with code 1, or start a new core and serve again")
-    server.add_argument("--engine-hang-timeout", type=float, default=60.0,
+    server.add_argument("--engine-hang-timeout", type=float, default=300.0,
                         help="seconds the engine core may answer nothing (one step's limit) "
                              "before it counts as hung and is killed")
     server.add_argument("--media-fetch-timeout", type=float, default=10.0,

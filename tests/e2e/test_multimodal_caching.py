@@ -112,6 +112,7 @@ def test_same_image_in_another_conversation_hits_the_encoder_cache_only(checkpoi
     output = run(llm, [moved])[0]
     image_start = output.prompt_token_ids.index(llm.llm_engine.config.model.image_token_id)
     assert output.num_cached_tokens <= image_start
+    assert (output.encoder_cache_queries, output.encoder_cache_hits) == (1, 1)
     assert metric(llm, "encoder_items_total") == items
     assert metric(llm, "encoder_cache_hits_total") == hits + 1
 

@@ -161,6 +161,16 @@ def test_chat_with_data_url_image(client):
     assert response.usage.total_tokens == response.usage.prompt_tokens + 12
 
 
+def test_usage_counts_the_encoder_cache_hits_of_the_request(client):
+    url = data_url(png_bytes((96, 80), (10, 200, 90)))  # an image no other test sends
+    first = client.chat.completions.create(model=MODEL_NAME, messages=image_message(url), **GREEDY)
+    moved = [{"role": "system", "content": "Answer in one word, please."}] + image_message(url)
+    second = client.chat.completions.create(model=MODEL_NAME, messages=moved, **GREEDY)
+    looked_up = [(r.usage.prompt_tokens_details.encoder_cache_queries,
+                  r.usage.prompt_tokens_details.encoder_cache_hits) for r in (first, second)]
+    assert looked_up == [(1, 0), (1, 1)]  # encoded once, then served from the encoder cache
+
+
 def test_chat_with_file_url_inside_the_allowed_folder(client, media_root):
     by_file = client.chat.completions.create(
         model=MODEL_NAME, messages=image_message(f"file://{media_root / 'red.png'}"), **GREEDY)

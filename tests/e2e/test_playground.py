@@ -167,7 +167,8 @@ class Page:
 
 def report_of(answer) -> dict[str, int]:
     report = answer.find_element("css selector", ".report")
-    names = ("prompt-tokens", "cached-tokens", "image-tokens", "video-tokens", "completion-tokens")
+    names = ("prompt-tokens", "cached-tokens", "image-tokens", "video-tokens", "completion-tokens",
+             "encoder-cache-queries", "encoder-cache-hits")
     return {name: int(report.get_attribute(f"data-{name}")) for name in names}
 
 
@@ -192,6 +193,7 @@ def test_uploaded_image_streams_an_answer_and_the_next_turn_hits_the_prefix_cach
     usage = report_of(first)
     assert 2 <= int(first.get_attribute("data-deltas")) <= usage["completion-tokens"]
     assert usage["image-tokens"] > 0 and usage["cached-tokens"] == 0
+    assert usage["encoder-cache-queries"] == 1
     [row] = plan_rows(first)
     assert int(row.get_attribute("data-tokens")) == usage["image-tokens"]
     assert "noise.png" in row.text and "224×224" in row.text and "full" in row.text
@@ -205,6 +207,8 @@ def test_uploaded_image_streams_an_answer_and_the_next_turn_hits_the_prefix_cach
     assert again["cached-tokens"] > 0 and again["image-tokens"] == usage["image-tokens"]
     assert again["prompt-tokens"] > usage["prompt-tokens"]
     assert "prefix cache hit" in second.find_element("css selector", ".report").text
+    assert again["encoder-cache-queries"] == 0  # the image lies in the cached prefix
+    assert "encoder not run" in second.find_element("css selector", ".report").text
     page.wait.until(lambda d: int(float(page.find("#metric-prompt-tokens").text))
                     >= usage["prompt-tokens"] + again["prompt-tokens"])
 

@@ -7,7 +7,9 @@ keys (max_pixels, fps, max_visual_tokens, ...) and the preprocessing stages'
 options (pdf_mode, ocr, transcribe_audio, ...).
 
 Responses add to OpenAI's `usage`: `prompt_tokens_details.image_tokens` and
-`.video_tokens` (visual tokens in the prompt), and `mm_plan`, the downsampling
+`.video_tokens` (visual tokens in the prompt), `.encoder_cache_queries` and
+`.encoder_cache_hits` (media items looked up in the encoder cache, and found
+there), and `mm_plan`, the downsampling
 planner's choice per media item in prompt order (modality, num_tokens, detail,
 num_frames, max_pixels, the resized width and height, and whether the budget
 downsampled it). Options Foveal cannot honour yet (n > 1, penalties, tools,
@@ -150,6 +152,10 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     image_tokens: int = 0
     video_tokens: int = 0
+    # media items looked up in the encoder cache (those the prefix-cache hit did not
+    # cover), and how many of them were already encoded there
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 class MediaItemPlan(BaseModel):

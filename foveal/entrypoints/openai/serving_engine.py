@@ -44,6 +44,8 @@ class FinalOutput:
 
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
@@ -60,6 +62,8 @@ class FinalOutput:
         if completion.logprobs is not None:
             self.logprobs = (self.logprobs or []) + completion.logprobs
         self.num_cached_tokens = output.num_cached_tokens
+        self.encoder_cache_queries = output.encoder_cache_queries
+        self.encoder_cache_hits = output.encoder_cache_hits
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
         self.error = output.error or self.error
         self.mm_plan = output.mm_plan or self.mm_plan
@@ -201,7 +205,9 @@ class OpenAIServing:
         num_prompt, num_completion = len(prompt_ids), len(final.token_ids)
         details = PromptTokensDetails(cached_tokens=final.num_cached_tokens,
                                       image_tokens=prompt_ids.count(self.image_token_id),
-                                      video_tokens=prompt_ids.count(self.video_token_id))
+                                      video_tokens=prompt_ids.count(self.video_token_id),
+                                      encoder_cache_queries=final.encoder_cache_queries,
+                                      encoder_cache_hits=final.encoder_cache_hits)
         plan = [MediaItemPlan.model_validate(item, from_attributes=True)
                 for item in final.mm_plan or ()]
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,

@@ -5,7 +5,7 @@
 import { getJson, readableError, storedKey, storeKey, streamChat } from "./api.js";
 import { element } from "./dom.js";
 import { acceptDropsAndPastes, describeSize, fromFile, fromUrl, isVisual, toPart } from "./attachments.js";
-import { encoderCacheDelta, pollPanel, readMetrics } from "./metrics.js";
+import { pollPanel } from "./metrics.js";
 import { decodeRate, formatSeconds, renderReport } from "./report.js";
 
 const $ = (id) => document.getElementById(id);
@@ -112,7 +112,6 @@ function showLive(startedAt, timing, numTokens) {
 }
 
 async function streamAnswer(answer, messages, sources) {
-  const before = await readMetrics().catch(() => null);
   const text = answer.querySelector(".text");
   const timing = { firstAt: null, lastAt: null, deltas: 0 };
   let usage = null;
@@ -131,10 +130,7 @@ async function streamAnswer(answer, messages, sources) {
     showLive(startedAt, timing, timing.deltas);
   }
   const live = showLive(startedAt, timing, usage?.completion_tokens ?? timing.deltas);
-  if (usage) {
-    const encoder = encoderCacheDelta(before, await readMetrics().catch(() => null));
-    renderReport(answer.querySelector(".report"), usage, live, encoder, sources);
-  }
+  if (usage) renderReport(answer.querySelector(".report"), usage, live, sources);
 }
 
 function setBusy(busy) {

@@ -53,15 +53,6 @@ export function renderPanel(list, samples) {
   }));
 }
 
-// Media items the engine looked up in the encoder cache between two reads, and
-// how many it found there (server-wide: exact while this page is the only client).
-export function encoderCacheDelta(before, after) {
-  if (!before || !after) return null;
-  const change = (name) => stat(after, name) - stat(before, name);
-  return { hits: change("foveal:encoder_cache_hits_total"),
-           queries: change("foveal:encoder_cache_queries_total") };
-}
-
 export function pollPanel(list, status, intervalMs) {
   const refresh = async () => {
     try {

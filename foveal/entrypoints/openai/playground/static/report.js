@@ -17,8 +17,10 @@ export function decodeRate(numTokens, firstAt, lastAt) {
   return numTokens > 1 && lastAt > firstAt ? (numTokens - 1) / ((lastAt - firstAt) / 1000) : null;
 }
 
-function summary(usage, timing, encoder) {
+function summary(usage, timing) {
   const details = usage.prompt_tokens_details || {};
+  const encoder = { hits: details.encoder_cache_hits || 0,
+                    queries: details.encoder_cache_queries || 0 };
   const cached = details.cached_tokens || 0;
   const parts = [
     `prompt ${usage.prompt_tokens} tokens`,
@@ -27,9 +29,9 @@ function summary(usage, timing, encoder) {
     `video ${details.video_tokens || 0}`,
     `completion ${usage.completion_tokens}`,
   ];
-  if (encoder && encoder.queries > 0) {
+  if (encoder.queries > 0) {
     parts.push(`encoder cache hit ${encoder.hits} of ${encoder.queries} items`);
-  } else if (encoder && (details.image_tokens || details.video_tokens)) {
+  } else if (details.image_tokens || details.video_tokens) {
     parts.push("encoder not run (media in the cached prefix)");
   }
   if (timing.ttft !== null) parts.push(`TTFT ${formatSeconds(timing.ttft)}`);
@@ -72,16 +74,18 @@ function planTable(plan, sources) {
   return table;
 }
 
-export function renderReport(container, usage, timing, encoder, sources) {
+export function renderReport(container, usage, timing, sources) {
   const details = usage.prompt_tokens_details || {};
   Object.assign(container.dataset, {
     promptTokens: usage.prompt_tokens,
     cachedTokens: details.cached_tokens || 0,
     imageTokens: details.image_tokens || 0,
     videoTokens: details.video_tokens || 0,
+    encoderCacheQueries: details.encoder_cache_queries || 0,
+    encoderCacheHits: details.encoder_cache_hits || 0,
     completionTokens: usage.completion_tokens,
   });
-  const children = [element("p", "summary", summary(usage, timing, encoder))];
+  const children = [element("p", "summary", summary(usage, timing))];
   if (usage.mm_plan?.length) children.push(planTable(usage.mm_plan, sources));
   container.replaceChildren(...children);
 }
