@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
+from foveal.entrypoints.security_args import SecurityConfig
 from foveal.errors import ConfigError
 from foveal.logger import init_logger
 
@@ -374,7 +375,7 @@ class RouterConfig:
     max_attempts: int = 2
     cache_load_slack: int = 4
     cache_entries: int = 100_000
-    api_key: str | None = None
+    security: SecurityConfig = SecurityConfig()  # API keys, per-key limits, body size
 
     def __post_init__(self) -> None:
         for flag in ("request_timeout_s", "stage_timeout_s", "connect_timeout_s",

@@ -24,7 +24,6 @@ Torch-free.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from contextlib import asynccontextmanager
@@ -32,7 +31,7 @@ from http import HTTPStatus
 
 import anyio
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
@@ -40,6 +39,7 @@ from foveal.disagg.pools import (RouterConfig, PoolMetrics, RouterPools, Worker,
                                  media_keys, monitor_health, normalize_worker_url, prefix_keys,
                                  probe_health)
 from foveal.entrypoints.openai.errors import error_body
+from foveal.entrypoints.openai.security import OpenRoutes, install_security
 from foveal.errors import ConfigError, FovealError
 from foveal.logger import init_logger
 
@@ -47,7 +47,6 @@ logger = init_logger(__name__)
 
 CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions", "/v1/completions"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
 _INJECTED_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 
 
@@ -394,17 +393,9 @@ def build_router_app(config: RouterConfig, pools: RouterPools | None = None) -> 
             checker.cancel()
             await relay.client.aclose()
 
-    async def require_api_key(request: Request) -> None:
-        # load balancers and scrapers hold no keys: /health and /metrics stay open
-        if not config.api_key or request.url.path in _OPEN_PATHS:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
-            raise _ClientError("missing or wrong API key; send 'Authorization: Bearer <key>' with "
-                               "the router's --api-key", HTTPStatus.UNAUTHORIZED)
-
-    app = FastAPI(title="Foveal disaggregated-serving router", lifespan=lifespan,
-                  dependencies=[Depends(require_api_key)])
+    app = FastAPI(title="Foveal disaggregated-serving router", lifespan=lifespan)
+    # keys, per-key limits and the body cap as on a worker; /health and /metrics stay open
+    install_security(app, config.security, OpenRoutes(paths=frozenset({"/health", "/metrics"})))
     app.state.pools, app.state.relay = pools, relay
 
     @app.exception_handler(_ClientError)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from foveal.entrypoints.security_args import add_security_args, security_config_from_args
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -38,7 +40,7 @@ def register(subparsers) -> None:
                              "loaded one by and still be chosen")
     parser.add_argument("--cache-entries", type=int, default=100_000,
                         help="cache keys remembered per pool (LRU)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
+    add_security_args(parser)  # --api-key (repeatable), --rate-limit-rpm, ...
     parser.set_defaults(func=run_router)
 
 
@@ -53,7 +55,8 @@ def router_config(args: argparse.Namespace):
                         stage_timeout_s=args.stage_timeout, connect_timeout_s=args.connect_timeout,
                         health_interval_s=args.health_interval, remove_after_s=args.remove_after,
                         max_attempts=args.max_attempts, cache_load_slack=args.cache_load_slack,
-                        cache_entries=args.cache_entries, api_key=args.api_key)
+                        cache_entries=args.cache_entries,
+                        security=security_config_from_args(args))
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from foveal.demo_model import DEMO_MODEL_NAME
 from foveal.entrypoints.cli_args import add_engine_args, engine_kwargs
+from foveal.entrypoints.security_args import add_security_args, security_config_from_args
 from foveal.errors import ConfigError
 from foveal.stages.cli import add_engine_stage_args, stages_config_from_args
 
@@ -24,7 +25,6 @@ def _model_dir(model: str | None) -> str:
 
 def server_config(args: argparse.Namespace, model_dir: str):
     """The API-side options (names, key, media fetching, stages) from parsed flags."""
-    from foveal.entrypoints.openai.security import SecurityConfig, api_keys_from
     from foveal.entrypoints.openai.serving_engine import ServerConfig
     from foveal.multimodal.media.fetch import MediaFetchConfig
 
@@ -40,11 +40,8 @@ def server_config(args: argparse.Namespace, model_dir: str):
                              allowed_local_media_path=local_root,
                              allowed_media_domains=domains,
                              allow_private_media_urls=args.allow_private_media_urls)
-    security = SecurityConfig(api_keys=api_keys_from(args.api_key),
-                              rate_limit_rpm=args.rate_limit_rpm,
-                              max_concurrent_per_key=args.max_concurrent_per_key,
-                              max_request_bytes=args.max_request_bytes)
-    return ServerConfig(served_model_names=names, model_path=model_dir, security=security,
+    return ServerConfig(served_model_names=names, model_path=model_dir,
+                        security=security_config_from_args(args),
                         media=media, stages=stages_config_from_args(args),
                         playground=not args.no_playground)
 
@@ -123,16 +120,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", action="append",
-                        help="require 'Authorization: Bearer KEY' on /v1/*; repeat the flag for "
-                             "several keys (default: FOVEAL_API_KEY, if set)")
-    server.add_argument("--rate-limit-rpm", type=int, metavar="N",
-                        help="requests per minute per API key (per client IP without keys); "
-                             "over it: 429 with Retry-After")
-    server.add_argument("--max-concurrent-per-key", type=int, metavar="N",
-                        help="requests in flight per API key (per client IP without keys)")
-    server.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024,
-                        help="largest request body, in bytes (images arrive base64 in it)")
+    add_security_args(server)
     server.add_argument("--no-playground", action="store_true",
                         help="do not serve the web playground at /")
     server.add_argument("--served-model-name", nargs="+",

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from foveal.disagg.router import RouterConfig, _sse_events, build_router_app
+from foveal.entrypoints.security_args import SecurityConfig
 from tests.e2e.test_openai_server import LiveServer
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
@@ -325,7 +326,8 @@ def test_client_injected_transfer_params_are_a_400(workers, field):
 
 
 def test_api_key_guards_completions_and_worker_admin_but_not_health(workers):
-    with router(decode=[workers["d1"]], api_key="secret") as client:
+    keys = SecurityConfig(api_keys=("other", "secret"), max_concurrent_per_key=4)
+    with router(decode=[workers["d1"]], security=keys) as client:
         assert client.get("/router/workers").status_code == 401
         assert client.post("/router/workers", json={"role": "decode", "url": workers["d2"].url}
                            ).status_code == 401
@@ -334,6 +336,10 @@ def test_api_key_guards_completions_and_worker_admin_but_not_health(workers):
         authorized = {"Authorization": "Bearer secret"}
         assert client.get("/router/workers", headers=authorized).status_code == 200
         answer_text(client.post("/v1/chat/completions", json=chat_body(), headers=authorized))
+        assert client.get("/router/workers", headers={"Authorization": "Bearer other"}
+                          ).status_code == 200
+        assert client.get("/router/workers", headers={"Authorization": "Bearer secre"}
+                          ).status_code == 401
 
 
 def test_relay_forwards_only_whole_sse_events():

@@ -24,7 +24,6 @@ import collections
 import hashlib
 import hmac
 import math
-import os
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -32,28 +31,11 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from foveal.entrypoints.openai.errors import error_body
-from foveal.errors import ConfigError
+from foveal.entrypoints.security_args import SecurityConfig, api_keys_from  # noqa: F401 (re-export)
 
 # Where the key middleware leaves the client's name for the limits middleware.
 CLIENT_SCOPE_KEY = "foveal.client"
 _MAX_TRACKED_CLIENTS = 10_000  # past this, idle clients' buckets are dropped
-
-
-@dataclass(frozen=True)
-class SecurityConfig:
-    api_keys: tuple[str, ...] = ()  # none: the API is open
-    rate_limit_rpm: int | None = None  # requests per minute per client
-    max_concurrent_per_key: int | None = None  # requests in flight per client
-    max_request_bytes: int = 64 * 1024 * 1024  # images arrive base64 in the body
-
-    def __post_init__(self) -> None:
-        if not all(self.api_keys):
-            raise ConfigError("--api-key: a key must not be empty")
-        for flag, value in (("--rate-limit-rpm", self.rate_limit_rpm),
-                            ("--max-concurrent-per-key", self.max_concurrent_per_key),
-                            ("--max-request-bytes", self.max_request_bytes)):
-            if value is not None and value < 1:
-                raise ConfigError(f"{flag} {value}: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -75,13 +57,6 @@ class OpenRoutes:
 
 
 OPEN_ROUTES = OpenRoutes()
-
-
-def api_keys_from(flag_values: list[str] | None, environ=os.environ) -> tuple[str, ...]:
-    """The server's keys: every --api-key given, else FOVEAL_API_KEY if set."""
-    if flag_values:
-        return tuple(flag_values)
-    return (environ["FOVEAL_API_KEY"],) if environ.get("FOVEAL_API_KEY") else ()
 
 
 def install_security(app, config: SecurityConfig, open_routes: OpenRoutes = OPEN_ROUTES) -> None:
