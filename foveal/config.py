@@ -44,6 +44,25 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointQuantization:
+    """How a pre-quantized checkpoint stores its linear weights (config.json's
+    quantization_config); the loader dequantizes them to float at load time."""
+    method: str  # "gptq" | "awq" | "fp8"
+    bits: int = 8
+    group_size: int = -1  # input channels per scale; -1: one group per output row
+    zero_offset: int = 0  # added to stored zero points (GPTQ v1 stores them minus one)
+    block_size: tuple[int, ...] = ()  # fp8: (rows, cols) a block scale covers
+    requires_g_idx: bool = False  # GPTQ desc_act: groups are permuted, so each layer stores g_idx
+
+    def describe(self) -> str:
+        if self.method == "fp8":
+            return f"fp8 (blocks {'x'.join(map(str, self.block_size))})" if self.block_size else "fp8"
+        groups = "per row" if self.group_size == -1 else f"group size {self.group_size}"
+        order = ", desc_act" if self.requires_g_idx else ""
+        return f"{self.method.upper()} {self.bits}-bit ({groups}{order})"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # HF architecture string, e.g. "Qwen2VLForConditionalGeneration"
     model_type: str
@@ -59,6 +78,7 @@ class ModelConfig:
     # "data" replicates it and splits each step's media items over the ranks.
     mm_encoder_tp_mode: str = "weights"
     checkpoint_dtype: str | None = None  # config.json's (torch_)dtype: how the weights are stored
+    checkpoint_quantization: CheckpointQuantization | None = None  # None: float weights
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from foveal.config import ModelConfig, TextConfig, VisionConfig
+from foveal.config import CheckpointQuantization, ModelConfig, TextConfig, VisionConfig
 from foveal.errors import ConfigError
 from foveal.models.registry import supported_architectures
 
@@ -83,7 +83,6 @@ def model_config_from_dict(hf: dict, path: str | None = None,
                            generation_config: dict | None = None) -> ModelConfig:
     """Build a ModelConfig from an HF config dict (either layout)."""
     architecture = _architecture(hf)
-    _check_not_prequantized(hf)
     text = _text_config(hf)
     text_dict = hf.get("text_config") or {}
     eos = _as_ids((generation_config or {}).get("eos_token_id"))
@@ -96,19 +95,75 @@ def model_config_from_dict(hf: dict, path: str | None = None,
             image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
             vision_start_token_id=hf["vision_start_token_id"],
             vision_end_token_id=hf["vision_end_token_id"],
-            eos_token_ids=eos, path=path, checkpoint_dtype=_stored_dtype(hf, text_dict))
+            eos_token_ids=eos, path=path, checkpoint_dtype=_stored_dtype(hf, text_dict),
+            checkpoint_quantization=_checkpoint_quantization(hf))
     except KeyError as missing:
         raise ConfigError(f"config.json lacks {missing}; re-export the checkpoint's config") from None
 
 
-def _check_not_prequantized(hf: dict) -> None:
-    quantized = hf.get("quantization_config") or (hf.get("text_config") or {}).get(
+SUPPORTED_CHECKPOINT_QUANTIZATION = ("GPTQ (4 or 8 bits, checkpoint_format gptq or gptq_v2), "
+                                     "AWQ (4 bits, version gemm) and fp8 (float8_e4m3fn weights "
+                                     "with per-tensor, per-channel or block scales; also as "
+                                     "compressed-tensors' float-quantized format)")
+
+
+def _gptq(config: dict) -> CheckpointQuantization:
+    bits, fmt = config.get("bits"), config.get("checkpoint_format", "gptq")
+    if bits not in (4, 8):
+        raise ConfigError(f"GPTQ checkpoint with bits={bits}; Foveal dequantizes 4- and 8-bit GPTQ")
+    if fmt not in ("gptq", "gptq_v2") or config.get("is_marlin_format") or config.get("dynamic"):
+        raise ConfigError(f"GPTQ checkpoint_format {fmt!r} (or marlin / per-module 'dynamic' "
+                          "settings) cannot be loaded; Foveal reads the gptq and gptq_v2 layouts")
+    return CheckpointQuantization("gptq", bits, int(config.get("group_size", -1)),
+                                  zero_offset=1 if fmt == "gptq" else 0,
+                                  requires_g_idx=bool(config.get("desc_act")))
+
+
+def _awq(config: dict) -> CheckpointQuantization:
+    bits, version = config.get("bits", config.get("w_bit")), str(config.get("version", "gemm"))
+    if bits != 4 or version.lower() != "gemm" or config.get("zero_point", True) is False:
+        raise ConfigError(f"AWQ checkpoint with bits={bits}, version={version!r}, zero_point="
+                          f"{config.get('zero_point', True)}; Foveal reads 4-bit GEMM AWQ with zero points")
+    return CheckpointQuantization("awq", 4, int(config.get("group_size", config.get("q_group_size", -1))))
+
+
+def _fp8(config: dict) -> CheckpointQuantization:
+    fmt = config.get("fmt", "e4m3")
+    block = tuple(config.get("weight_block_size") or ())
+    if fmt != "e4m3" or len(block) not in (0, 2):
+        raise ConfigError(f"fp8 checkpoint with fmt={fmt!r}, weight_block_size={list(block)}; "
+                          "Foveal reads e4m3 weights with 2-D blocks or no blocks")
+    return CheckpointQuantization("fp8", 8, block_size=block)
+
+
+def _compressed_tensors(config: dict) -> CheckpointQuantization:
+    """compressed-tensors' "float-quantized" format: fp8 weights, the same tensors as fp8's."""
+    weights = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
+    fmt = config.get("format")
+    fp8 = [w.get("num_bits") == 8 and w.get("type") == "float" for w in weights]
+    blocks = {tuple(w.get("block_structure") or ()) for w in weights if w.get("strategy") == "block"}
+    if fmt != "float-quantized" or not weights or not all(fp8) or len(blocks) > 1:
+        raise ConfigError(f"compressed-tensors checkpoint in format {fmt!r} with weights "
+                          f"{weights}; Foveal reads its float-quantized (fp8) weights only")
+    return CheckpointQuantization("fp8", 8, block_size=next(iter(blocks), ()))
+
+
+_CHECKPOINT_QUANTIZATION = {"gptq": _gptq, "awq": _awq, "fp8": _fp8,
+                            "compressed-tensors": _compressed_tensors}
+
+
+def _checkpoint_quantization(hf: dict) -> CheckpointQuantization | None:
+    """config.json's quantization_config -> how the loader dequantizes, or None."""
+    config = hf.get("quantization_config") or (hf.get("text_config") or {}).get(
         "quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ConfigError(f"this checkpoint is quantized ({method}); Foveal loads float16, "
-                          "bfloat16 and float32 checkpoints and quantizes them itself: use the "
-                          "unquantized checkpoint with --quantization int8")
+    if not config:
+        return None
+    method = str(config.get("quant_method", "?")).lower() if isinstance(config, dict) else "?"
+    if method not in _CHECKPOINT_QUANTIZATION:
+        raise ConfigError(f"this checkpoint is quantized ({method}), which Foveal cannot load; it "
+                          f"loads {SUPPORTED_CHECKPOINT_QUANTIZATION} checkpoints, and float ones "
+                          "(--quantization int8 quantizes those at load time)")
+    return _CHECKPOINT_QUANTIZATION[method](config)
 
 
 def _stored_dtype(hf: dict, text_dict: dict) -> str | None:

@@ -22,12 +22,15 @@ from foveal.config import EngineConfig
 from foveal.errors import CheckpointError, ConfigError
 from foveal.layers.linear import default_weight_loader
 from foveal.loader.kv_scales import KVScaleCollector, is_kv_scale
+from foveal.loader.quantized import dequantized_checkpoint
+from foveal.logger import init_logger
 from foveal.models.registry import get_model_class
 
 if TYPE_CHECKING:
     from foveal.loader.eagle_config import EagleConfig
 
 _MAX_NAMES_SHOWN = 8
+logger = init_logger(__name__)
 
 
 def checkpoint_files(path: str | None) -> list[str]:
@@ -150,6 +153,17 @@ def build_model(engine_config: EngineConfig) -> nn.Module:
         return model_cls(engine_config.model)
 
 
+def _float_checkpoint(engine_config: EngineConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors; a pre-quantized one's layers dequantized to the model dtype."""
+    weights = iterate_checkpoint(engine_config.model.path)
+    quantization = engine_config.model.checkpoint_quantization
+    if quantization is None:
+        return weights
+    logger.info("dequantizing a pre-quantized checkpoint (%s) to %s weights",
+                quantization.describe(), engine_config.dtype)
+    return dequantized_checkpoint(weights, quantization, getattr(torch, engine_config.dtype))
+
+
 def load_model(engine_config: EngineConfig) -> nn.Module:
     """Build the model on engine_config.device / dtype and load its weights."""
     model = build_model(engine_config)
@@ -157,7 +171,7 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         init_dummy_weights(model, engine_config.seed)
     elif engine_config.load_format in ("auto", "safetensors"):
         kv_scales = KVScaleCollector(model)
-        loaded = load_named_weights(model, iterate_checkpoint(engine_config.model.path), kv_scales)
+        loaded = load_named_weights(model, _float_checkpoint(engine_config), kv_scales)
         kv_scales.apply(engine_config.cache.kv_cache_dtype,
                         engine_config.model.text.num_key_value_heads)
         missing = set(dict(model.named_parameters())) - loaded

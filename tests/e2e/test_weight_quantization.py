@@ -108,10 +108,10 @@ def test_refused_configurations(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="CPU only"):
         check_quantization("int8", "cuda")
     assert check_quantization(None, "cuda") is None
-    quantized = tmp_path / "awq"
+    quantized = tmp_path / "bitsandbytes"
     shutil.copytree(checkpoint, quantized)
     config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"quantized \(awq\)"):
+    with pytest.raises(ConfigError, match=r"quantized \(bitsandbytes\).*GPTQ"):
         LLM(model=str(quantized))
