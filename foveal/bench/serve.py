@@ -140,13 +140,12 @@ async def _send(client, plan: ServeBenchPlan, model: str, request: ChatRequest,
         return RequestResult(error=f"{type(error).__name__}: {error}")
 
 
-async def _resolve_model(client, plan: ServeBenchPlan) -> str:
-    if plan.model:
-        return plan.model
-    response = await client.get(plan.base_url.rstrip("/") + "/v1/models")
+async def first_served_model(client, base_url: str, flag: str = "--model") -> str:
+    """The first model of GET /v1/models; ConfigError naming `flag` to pass one instead."""
+    response = await client.get(base_url.rstrip("/") + "/v1/models")
     if response.status_code != 200 or not response.json().get("data"):
-        raise ConfigError(f"GET /v1/models on {plan.base_url} answered {response.status_code}; "
-                          "pass --model NAME")
+        raise ConfigError(f"GET /v1/models on {base_url} answered {response.status_code}; "
+                          f"pass {flag} NAME")
     return response.json()["data"][0]["id"]
 
 
@@ -161,7 +160,7 @@ async def run_requests(plan: ServeBenchPlan, requests: list[ChatRequest]
     limit = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers,
                                  limits=httpx.Limits(max_connections=None)) as client:
-        model = await _resolve_model(client, plan)
+        model = plan.model or await first_served_model(client, plan.base_url)
         start = time.perf_counter()
         tasks = []
         for index, request in enumerate(requests):

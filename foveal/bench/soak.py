@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from foveal.bench.serve import latency_stats_ms
+from foveal.bench.serve import first_served_model, latency_stats_ms
 from foveal.bench.soak_mix import MixSpec, RequestMix, SoakRequest
 from foveal.bench.soak_rss import RssSampler
 from foveal.errors import ConfigError
@@ -193,19 +193,11 @@ async def run_load(plan: SoakPlan, mix: RequestMix, base_url: str, model: str | 
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), headers=headers, trust_env=False,
                                  limits=httpx.Limits(max_connections=None)) as client:
-        model = model or await _served_model(client, base_url)
+        model = model or await first_served_model(client, base_url, "--served-model")
         reporter = asyncio.create_task(report_progress())
         await asyncio.gather(*(client_loop(client) for _ in range(plan.concurrency)))
         reporter.cancel()
     return sorted(outcomes, key=lambda outcome: outcome.index)
-
-
-async def _served_model(client, base_url: str) -> str:
-    response = await client.get(base_url + "/v1/models")
-    if response.status_code != 200 or not response.json().get("data"):
-        raise ConfigError(f"GET /v1/models on {base_url} answered {response.status_code}; "
-                          "pass --served-model NAME")
-    return response.json()["data"][0]["id"]
 
 
 def wait_for_idle(base_url: str, settle_s: float) -> dict:

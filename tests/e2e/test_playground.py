@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from speech_clips import espeak_samples
-from test_openai_server import MODEL_NAME, LiveServer, make_engine, noise_png
+from test_openai_server import MODEL_NAME, LiveServer, engine_stats, make_engine, noise_png
 from test_server_media import bytes_http_server, make_clip_bytes
 
 from foveal.entrypoints.openai.api_server import build_app
@@ -265,11 +265,9 @@ def test_a_dropped_pdf_and_an_uploaded_audio_clip_reach_the_prompt(
     user_turn = page.find_all("article.user")[-1].text
     assert "pdf: note.pdf" in user_turn and "audio: door.wav" in user_turn
     assert report_of(answer)["prompt-tokens"] > alone + 10
-    stats = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    stats = engine_stats(server.base_url)
     for stage in ("pdf", "asr"):
-        line = next(line for line in stats.splitlines()
-                    if line.startswith(f'foveal:stage_items_total{{stage="{stage}"}}'))
-        assert float(line.rsplit(" ", 1)[1]) >= 1
+        assert stats[f'foveal:stage_items_total{{stage="{stage}"}}'] >= 1
 
 
 @pytest.mark.browser

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_openai_server import ENGINE_OPTIONS, MODEL_NAME, LiveServer
+from test_openai_server import ENGINE_OPTIONS, MODEL_NAME, LiveServer, engine_stats
 from test_server_disconnect import pdf_body, wait_until
 
 from foveal.entrypoints.openai.api_server import build_app
@@ -58,10 +58,7 @@ def descendants(pid: int) -> set[int]:
 
 
 def num_running(base_url: str) -> float:
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("foveal:num_requests_running "):
-            return float(line.split()[1])
-    raise AssertionError("/metrics has no foveal:num_requests_running")
+    return engine_stats(base_url)["foveal:num_requests_running"]  # KeyError if not exported
 
 
 def healthy(base_url: str) -> bool:

@@ -18,7 +18,7 @@ import wave
 import numpy as np
 
 from foveal.errors import MediaError, MediaLimitError
-from foveal.multimodal.media.data_url import decode_data_url
+from foveal.multimodal.media.data_url import decode_data_url, read_media_file
 
 SAMPLE_RATE = 16_000
 
@@ -97,7 +97,7 @@ def read_media_bytes(source: MediaSource, mime_prefixes: tuple[str, ...], kind: 
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source)
     if isinstance(source, pathlib.Path):
-        return _read_path(source, kind)
+        return read_media_file(source, kind)
     if not isinstance(source, str):
         raise MediaError(
             f"cannot load {kind} from a {type(source).__name__}; pass bytes, a file path, "
@@ -109,17 +109,7 @@ def read_media_bytes(source: MediaSource, mime_prefixes: tuple[str, ...], kind: 
         parsed = urllib.parse.urlparse(source)
         if parsed.netloc not in ("", "localhost"):
             raise MediaError(f"file URL names host {parsed.netloc!r}; only local files are supported")
-        return _read_path(pathlib.Path(urllib.parse.unquote(parsed.path)), kind)
+        return read_media_file(pathlib.Path(urllib.parse.unquote(parsed.path)), kind)
     if scheme in ("http", "https"):
         raise MediaError(f"http(s) {kind} URLs are fetched by the server; pass bytes, a path or a data URL")
-    return _read_path(pathlib.Path(source), kind)
-
-
-def _read_path(path: pathlib.Path, kind: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError as exc:
-        raise MediaError(f"{kind} file not found: {str(path)!r}") from exc
-    except (OSError, ValueError) as exc:  # ValueError: a NUL or an unpaired surrogate in the path
-        raise MediaError(f"cannot read {kind} file {str(path)!r} "
-                         f"({getattr(exc, 'strerror', None) or exc})") from exc
+    return read_media_file(pathlib.Path(source), kind)

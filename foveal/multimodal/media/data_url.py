@@ -1,8 +1,10 @@
-"""Base64 data URLs (`data:<mime>;base64,<payload>`) -> bytes, for every media kind."""
+"""Base64 data URLs (`data:<mime>;base64,<payload>`) and local files -> bytes, for
+every media kind."""
 from __future__ import annotations
 
 import base64
 import binascii
+import pathlib
 
 from foveal.errors import MediaError
 
@@ -26,3 +28,14 @@ def decode_base64(payload: str, kind: str) -> bytes:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise MediaError(f"{kind} data URL payload is not valid base64 ({exc})") from exc
+
+
+def read_media_file(path: pathlib.Path, kind: str) -> bytes:
+    """The bytes of a local `kind` file ("image", "audio", ...), or MediaError."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise MediaError(f"{kind} file not found: {str(path)!r}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL or an unpaired surrogate in the path
+        raise MediaError(f"cannot read {kind} file {str(path)!r} "
+                         f"({getattr(exc, 'strerror', None) or exc})") from exc

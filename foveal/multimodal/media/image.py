@@ -21,6 +21,7 @@ from PIL import Image
 
 from foveal.errors import MediaError, MediaLimitError
 from foveal.multimodal.media.data_url import decode_data_url as shared_decode_data_url
+from foveal.multimodal.media.data_url import read_media_file
 
 ImageSource = Image.Image | bytes | bytearray | memoryview | pathlib.Path | str
 
@@ -117,14 +118,7 @@ def _file_url_path(url: str) -> pathlib.Path:
 
 
 def _open_path(path: pathlib.Path, max_image_pixels: int) -> Image.Image:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as exc:
-        raise MediaError(f"image file not found: {str(path)!r}") from exc
-    except (OSError, ValueError) as exc:  # ValueError: a NUL or an unpaired surrogate in the path
-        raise MediaError(f"cannot read image file {str(path)!r} "
-                         f"({getattr(exc, 'strerror', None) or exc})") from exc
-    return _open_bytes(data, max_image_pixels)
+    return _open_bytes(read_media_file(path, "image"), max_image_pixels)
 
 
 def _open_bytes(data: bytes, max_image_pixels: int) -> Image.Image:

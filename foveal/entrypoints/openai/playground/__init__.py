@@ -3,7 +3,7 @@ origin as the API. Plain HTML, CSS and JavaScript modules in static/, shipped
 with the package (no build step, nothing fetched from elsewhere at run time):
 streamed multi-turn chat with image, video, PDF and audio attachments, each
 media item's visual-token plan and each turn's prefix- and encoder-cache hits
-(from the response's `usage` and /metrics), sampling and budget controls, live
+(from the response's `usage`), sampling and budget controls, live
 TTFT and tokens/s, and a panel of the server's gauges.
 
 The page and its files hold no secrets, so they are reachable without the API
