@@ -1,9 +1,9 @@
 """Diagnostic for the demo model's reading: can the vision tower learn glyphs from
 local targets? Continues a `foveal train-demo` run's tower (OUT/train_state.pt, or a
-fresh one with --fresh) on `read` samples only, with two targets per visual token:
-the character whose centre falls in the left / right half of the token's 28 px cell
-(0: none). Prints held-out accuracy on the non-empty slots (48 read samples) every
-100 steps; chance is about 1/36.
+fresh one with --fresh) on `read` samples only, with the per-token character targets
+of training's stage 1 (encode.char_targets: the characters whose centres fall in the
+token's 28 px cell, left to right, 0: none). Prints held-out accuracy on the
+non-empty slots (48 read samples) every 100 steps; chance is about 1/36.
 
     python scripts/demo_read_probe.py OUT --seconds 600 [--fresh]
 """
@@ -16,33 +16,9 @@ from pathlib import Path
 
 import torch
 
-from foveal.demo_model.encode import TEXT_CHARS, SampleEncoder, collate
-from foveal.demo_model.render import font
+from foveal.demo_model.encode import CHAR_SLOTS, TEXT_CHARS, SampleEncoder, char_targets, collate
 from foveal.demo_model.tasks import make_sample
 from foveal.demo_model.train import _run_vision_tower, build_hf_model
-
-CELL = 28  # pixels per visual token side (14 px patches, 2x2 merge)
-
-
-def char_targets(sample, grid_thw) -> torch.Tensor:
-    """(tokens, 2) character classes, from where the generator drew the text."""
-    _, h, w = grid_thw
-    rows, cols = h // 2, w // 2
-    image = sample.images[0]
-    sx, sy = w * 14 / image.width, h * 14 / image.height
-    text = sample.scenes[0]["text"]
-    x, y, size = sample.scenes[0]["text_at"]
-    face = font(size)
-    _, top, _, bottom = face.getbbox(text)
-    out = torch.zeros(rows, cols, 2, dtype=torch.long)
-    cy = (y + (top + bottom) / 2) * sy
-    for index, char in enumerate(text):
-        cx = (x + face.getlength(text[:index]) + face.getlength(char) / 2) * sx
-        row, col, half = int(cy // CELL), int(cx // CELL), int((cx % CELL) // (CELL // 2))
-        if 0 <= row < rows and 0 <= col < cols:
-            out[row, col, half] = TEXT_CHARS.index(char) + 1
-    return out.view(-1, 2)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,7 +34,7 @@ def main() -> None:
     if not args.fresh:
         model.load_state_dict(torch.load(out / "train_state.pt", weights_only=False)["model"])
     tower = model.model.visual
-    head = torch.nn.Linear(hf_config["text_config"]["hidden_size"], 2 * (len(TEXT_CHARS) + 1))
+    head = torch.nn.Linear(hf_config["text_config"]["hidden_size"], CHAR_SLOTS * (len(TEXT_CHARS) + 1))
     merged: list[torch.Tensor] = []
     tower.merger.register_forward_hook(lambda _m, _i, output: merged.append(output))
     optimizer = torch.optim.AdamW([*tower.parameters(), *head.parameters()], lr=args.lr,
@@ -67,14 +43,15 @@ def main() -> None:
     def batch(split: str, start: int, n: int = 16):
         samples = [make_sample(split, start + i, task="read") for i in range(n)]
         items = [encoder.encode(s) for s in samples]
-        targets = torch.cat([char_targets(s, item.image_grid_thw[0]) for s, item in zip(samples, items)])
+        targets = torch.cat([char_targets(s.texts[0], s.images[0].width, s.images[0].height,
+                                          item.image_grid_thw[0]) for s, item in zip(samples, items)])
         return collate(items, pad_id=0), targets
 
     def logits(inputs) -> torch.Tensor:
         merged.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _run_vision_tower(model, inputs)
-        return head(torch.cat(merged).float()).view(-1, 2, len(TEXT_CHARS) + 1)
+        return head(torch.cat(merged).float()).view(-1, CHAR_SLOTS, len(TEXT_CHARS) + 1)
 
     @torch.no_grad()
     def accuracy() -> float:

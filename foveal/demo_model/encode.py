@@ -5,13 +5,13 @@ share this path, so what the model learns is what `LLM.chat` feeds it."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from foveal.demo_model.render import COLOR_NAMES, SHAPES
-from foveal.demo_model.tasks import DIRECTIONS, Sample
+from foveal.demo_model.render import COLOR_NAMES, SHAPES, font
+from foveal.demo_model.tasks import DIRECTIONS, TEXT_CHARS, Sample, TextRun
 from foveal.multimodal.chat import parse_chat_conversation
 from foveal.multimodal.media.video import DecodedVideo, VideoInfo, sample_indices
 from foveal.multimodal.processors.qwen2_vl import Qwen2VLImageProcessor, expand_mm_placeholders
@@ -19,8 +19,10 @@ from foveal.multimodal.processors.qwen2_vl_video import Qwen2VLVideoProcessor
 from foveal.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
-TEXT_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"  # class 0 is padding
 TEXT_SLOTS = 4
+# character targets per visual token: up to this many characters whose centres fall in its
+# 28 px cell, left to right (a glyph at the tasks' sizes is at least 7 px wide)
+CHAR_SLOTS = 4
 MAX_COUNT = 9
 
 
@@ -48,6 +50,8 @@ class Encoded:
     # what each whole image / clip shows (see scene_targets), per visual token
     image_scene_targets: list[tuple[torch.Tensor, torch.Tensor]]
     video_scene_targets: list[tuple[torch.Tensor, torch.Tensor]]
+    # per image: (tokens, CHAR_SLOTS) the characters in each token's cell, in order (char_targets)
+    image_char_targets: list[torch.Tensor] = field(default_factory=list)
 
 
 class SampleEncoder:
@@ -97,7 +101,10 @@ class SampleEncoder:
                        [item.pixel_values_videos for item in videos], [item.grid_thw for item in videos],
                        sample.task, targets, video_targets,
                        [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, targets)],
-                       [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, video_targets)])
+                       [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, video_targets)],
+                       [char_targets(sample.texts[i] if i < len(sample.texts) else [], image.width,
+                                     image.height, item.grid_thw)
+                        for i, (image, item) in enumerate(zip(sample.images, images))])
 
     @staticmethod
     def _follow_ups(sample: Sample, rng, augment) -> list[tuple[str, str]]:
@@ -145,6 +152,36 @@ def shape_targets(frames: list[list[tuple]], width: int, height: int,
             out[index, max(0, top):min(rows, bottom + 1), max(0, left):min(cols, right + 1)] = \
                 SHAPES.index(shape) + 1
     return out.flatten()
+
+
+def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
+                 patch: int = 14, merge: int = 2, min_scale: float = 0.6) -> torch.Tensor:
+    """(tokens, CHAR_SLOTS) per visual token: the classes (1 + TEXT_CHARS index; 0: none)
+    of the characters whose centres fall in the token's cell, left to right, from the
+    text runs drawn on the image. Reading the tokens of a line in order, and each
+    token's slots in order, spells the line. IGNORE_INDEX everywhere when the processor
+    shrank the image below `min_scale`: the glyphs are then too blurred to name."""
+    t, h, w = grid_thw
+    rows, cols, cell = h // merge, w // merge, patch * merge
+    sx, sy = w * patch / width, h * patch / height
+    out = torch.zeros((rows, cols, CHAR_SLOTS), dtype=torch.long)
+    if min(sx, sy) < min_scale:
+        out.fill_(IGNORE_INDEX)
+    else:
+        cells: dict[tuple[int, int], list[tuple[float, str]]] = {}
+        for text, x, y, size in runs:
+            face = font(size)
+            _, top, _, bottom = face.getbbox(text)
+            cy = (y + (top + bottom) / 2) * sy
+            for index, char in enumerate(text):
+                cx = (x + face.getlength(text[:index]) + face.getlength(char) / 2) * sx
+                row, col = int(cy // cell), int(cx // cell)
+                if 0 <= row < rows and 0 <= col < cols:
+                    cells.setdefault((row, col), []).append((cx, char))
+        for (row, col), chars in cells.items():
+            chars = [c for _, c in sorted(chars)][:CHAR_SLOTS]
+            out[row, col, :len(chars)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in chars])
+    return out.view(-1, CHAR_SLOTS).repeat(t, 1)
 
 
 def scene_targets(scene: dict, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +240,13 @@ def batch_shape_targets(batch: list[Encoded]) -> list[torch.Tensor]:
     images = [t for item in batch for t in item.image_shape_targets]
     videos = [t for item in batch for t in item.video_shape_targets]
     return [torch.cat(group) for group in (images, videos) if group]
+
+
+def batch_char_targets(batch: list[Encoded]) -> torch.Tensor | None:
+    """Character targets of the batch's image tokens (the tower's images come first;
+    clips carry no text), or None when no image has any."""
+    targets = [t for item in batch for t in item.image_char_targets]
+    return torch.cat(targets) if targets else None
 
 
 def batch_scene_targets(batch: list[Encoded]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,9 @@ WORDS = ("CAT", "DOG", "SUN", "MOON", "STAR", "TREE", "BIRD", "FISH", "BOOK", "D
          "LAMP", "CAKE", "BALL", "SHIP", "RAIN", "SNOW", "WIND", "FIRE", "GOLD", "OPEN",
          "STOP", "EXIT", "PARK", "ROAD", "CITY", "MILK", "TEA", "CUP", "KEY", "MAP",
          "BOX", "HAT", "PEN", "BUS", "CAR", "EGG", "ICE", "OWL", "FOX", "ZOO")
+TEXT_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"  # what the texts are made of
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+TextRun = tuple[str, float, float, int]
 CLIP_FRAMES = 8
 CLIP_FPS = 2.0  # the processor's default sampling rate, so every frame is kept
 _WIDTHS = (224, 252, 280, 308, 336)
@@ -57,6 +59,9 @@ class Sample:
     # scene targets: "count", "colors" ({shape: colour}, when every shape's colour is
     # known), "where" ((x, y) fractions of the one shape), "text", "direction"
     scenes: list[dict] = field(default_factory=list)
+    # per image: the text runs drawn on it, (text, x, y, font size) in pixels; training
+    # reads them for its per-token character targets
+    texts: list[list[TextRun]] = field(default_factory=list)
 
     def messages(self, detail: str = "auto") -> list[dict]:
         """One user turn in OpenAI chat form (media parts first, then the question)."""
@@ -77,8 +82,45 @@ def make_sample(split: str, index: int, task: str | None = None) -> Sample:
         task = TASKS[index % len(TASKS)] if split != "train" else \
             rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS])[0]
     question, answer, images, video, objects, follow_ups, scenes = _BUILDERS[task](rng)
+    texts = [[(s["text"], *s["text_at"])] if "text" in s else [] for s in scenes[:len(images)]]
     return Sample(f"{split}-{index}", task, question, answer, images, video, objects=objects,
-                  follow_ups=follow_ups, scenes=scenes)
+                  follow_ups=follow_ups, scenes=scenes, texts=texts)
+
+
+def make_page(index: int) -> Sample:
+    """A training-only page of text: rows of words, numbers and random character
+    runs at the `read` task's glyph sizes. Stage 1 of training reads every
+    glyph on it (dense per-token character targets), which teaches the vision
+    tower the characters some forty times faster than the one short text of a
+    `read` sample does (docs/benchmarks.md, "Demo model")."""
+    rng = random.Random(f"foveal-demo:page:{index}")
+    width, height = _size(rng)
+    image = canvas(width, height, rng)
+    draw = ImageDraw.Draw(image)
+    runs: list[TextRun] = []
+    y = rng.uniform(2, 10)
+    while True:
+        size = rng.randint(14, 22)
+        line_height = text_size("A0", size)[1]
+        if y + line_height + 4 > height:
+            break
+        x = rng.uniform(2, 20)
+        while True:
+            kind = rng.random()
+            text = rng.choice(WORDS) if kind < 0.3 else str(rng.randint(0, 999)) if kind < 0.6 else \
+                "".join(rng.choice(TEXT_CHARS) for _ in range(rng.randint(1, 5)))
+            run_width = text_size(text, size)[0]
+            if x + run_width + 4 > width:
+                break
+            if rng.random() < 0.8:  # some gaps, so that empty cells sit between runs too
+                ink = rng.randint(0, 60)
+                draw_text(draw, text, x, y, size, (ink, ink, ink))
+                runs.append((text, x, y, size))
+            x += run_width + rng.uniform(8, 40)
+        y += line_height + rng.uniform(6, 30)
+    first = runs[0][0] if runs else "no"
+    return Sample(f"page-{index}", "page", "Read the text.", first, [image], objects=[[]],
+                  scenes=[{}], texts=[runs])
 
 
 def _about(shape: str, color: str) -> list[tuple[str, str]]:

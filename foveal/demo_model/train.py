@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from foveal.demo_model.encode import (
-    IGNORE_INDEX, MAX_COUNT, TEXT_CHARS, TEXT_SLOTS, Augment, SampleEncoder, batch_scene_targets,
-    batch_shape_targets, collate,
+    IGNORE_INDEX, Augment, SampleEncoder, batch_char_targets, batch_scene_targets, batch_shape_targets,
+    collate,
 )
-from foveal.demo_model.render import COLORS, SHAPES
-from foveal.demo_model.tasks import DIRECTIONS, TASKS, TRAIN_WEIGHTS, make_sample
+from foveal.demo_model.probe import VisualTokenProbe
+from foveal.demo_model.tasks import TASKS, TRAIN_WEIGHTS, make_page, make_sample
 from foveal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -56,6 +56,8 @@ class TrainConfig:
     joint_steps: int = 0
     joint_lr: float = 5e-5
     batch_size: int = 16
+    # stage 1 also reads this many pages of text per step (tasks.make_page)
+    pages_per_batch: int = 6
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
     min_lr_ratio: float = 0.05
@@ -159,97 +161,6 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
 
 
-class VisualTokenProbe(torch.nn.Module):
-    """Training-only auxiliary heads (not exported): from each visual token, predict
-    what its 28x28 cell shows: its colour (background, a named colour, or dark
-    text ink, read off the cell's own pixels) and the shape covering it (from
-    the objects the generator drew). A VLM trained from scratch sits on the
-    answer prior until its vision tower carries signal; these dense losses give
-    the tower gradient from the first step.
-
-    Scene heads: every token of an image (or clip) also predicts what the whole
-    picture shows (encode.scene_targets: object count, each shape's colour, the
-    text's characters, the motion direction, the one shape's place). The tower
-    attends across its image, so it learns to write the scene into each token,
-    and the text decoder can answer from any visual token it attends to."""
-
-    NUM_CLASSES = len(COLORS) + 2  # background, colours..., ink
-    # each scene column (encode.scene_targets) and its class count
-    SCENE_COLUMNS = ("count",) + ("colors",) * len(SHAPES) + ("text",) * TEXT_SLOTS + ("direction",)
-    SCENE_GROUPS = ((MAX_COUNT + 1,) + (len(COLORS) + 1,) * len(SHAPES)
-                    + (len(TEXT_CHARS) + 1,) * TEXT_SLOTS + (len(DIRECTIONS),))
-    SCENE_WEIGHT = 4.0
-
-    def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2):
-        super().__init__()
-        self.head = torch.nn.Linear(hidden, self.NUM_CLASSES)
-        self.shape_head = torch.nn.Linear(hidden, len(SHAPES) + 1)
-        self.position_head = torch.nn.Linear(hidden, 2)
-        self.scene_head = torch.nn.Linear(hidden, sum(self.SCENE_GROUPS))
-        self.where_head = torch.nn.Linear(hidden, 2)
-        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std).view(1, 3, 1), persistent=False)
-        self.register_buffer("palette", torch.tensor(list(COLORS.values()), dtype=torch.float32) / 255,
-                             persistent=False)
-        self.merge, self.patch, self.temporal = merge, patch, temporal
-
-    @torch.no_grad()
-    def targets(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(patches, C*T*P*P) rows in merge-window order -> one class per visual token."""
-        window = self.merge ** 2
-        rows = pixel_values.float().view(-1, 3, self.temporal, self.patch * self.patch)[:, :, 0]
-        cells = rows.view(-1, window, 3, self.patch * self.patch).permute(0, 2, 1, 3)
-        rgb = (cells.reshape(cells.shape[0], 3, -1) * self.std + self.mean).clamp(0, 1)
-        saturation = rgb.amax(1) - rgb.amin(1)
-        # nearest palette colour: argmin |x - p|^2 = argmin (|p|^2 - 2 x.p)
-        distance = (self.palette ** 2).sum(1) - 2 * rgb.transpose(1, 2) @ self.palette.T
-        classes = torch.where(saturation > 0.25, distance.argmin(2) + 1, 0)
-        classes = torch.where((saturation <= 0.25) & (rgb.amax(1) < 0.5), self.NUM_CLASSES - 1, classes)
-        counts = torch.zeros(classes.shape[0], self.NUM_CLASSES).scatter_add_(
-            1, classes, torch.ones(classes.shape))
-        counts[:, 0] = 0
-        best = counts.argmax(1)
-        enough = counts.gather(1, best[:, None]).squeeze(1) >= 0.08 * classes.shape[1]
-        return torch.where(enough, best, 0)
-
-    def positions(self, grid_thw: torch.Tensor) -> torch.Tensor:
-        """(tokens, 2): each visual token's cell centre as (row, column) fractions
-        of its image. The vision tower only sees relative positions (2-D RoPE);
-        this target makes it carry where a token sits, which the position and
-        motion questions need."""
-        out = []
-        for t, h, w in grid_thw.tolist():
-            rows, cols = h // self.merge, w // self.merge
-            r = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
-            c = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols
-            cell = torch.stack(torch.meshgrid(r, c, indexing="ij"), -1).view(-1, 2)
-            out.append(cell.repeat(t, 1))
-        return torch.cat(out)
-
-    def scene_loss(self, features: torch.Tensor, classes: torch.Tensor,
-                   where: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the scene columns a token has targets for, plus
-        the one shape's place where there is exactly one."""
-        logits = self.scene_head(features).split(self.SCENE_GROUPS, dim=-1)
-        losses = [torch.nn.functional.cross_entropy(out, classes[:, i], ignore_index=IGNORE_INDEX)
-                  for i, out in enumerate(logits) if (classes[:, i] != IGNORE_INDEX).any()]
-        known = ~where[:, 0].isnan()
-        if known.any():
-            losses.append(10 * torch.nn.functional.mse_loss(self.where_head(features[known]), where[known]))
-        return torch.stack(losses).sum() / len(self.SCENE_GROUPS)
-
-    def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
-             shapes: list[torch.Tensor], grids: list[torch.Tensor],
-             scenes: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        features = torch.cat(features).float()
-        colours = torch.cat([self.targets(p) for p in pixels])
-        where = torch.cat([self.positions(g) for g in grids])
-        return (torch.nn.functional.cross_entropy(self.head(features), colours)
-                + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
-                + 10 * torch.nn.functional.mse_loss(self.position_head(features), where)
-                + self.SCENE_WEIGHT * self.scene_loss(features, *scenes))
-
-
 @torch.no_grad()
 def teacher_forced_accuracy(model, encoder: SampleEncoder, num_samples: int, bf16: bool,
                             batch_size: int = 16) -> dict[str, float]:
@@ -325,6 +236,8 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         tasks = rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS], k=cfg.batch_size)
         samples = [make_sample("train", step * cfg.batch_size + i, task=task)
                    for i, task in enumerate(tasks)]
+        if vision_stage:
+            samples += [make_page(step * cfg.pages_per_batch + i) for i in range(cfg.pages_per_batch)]
         encoded = [encoder.encode(s, rng, augment) for s in samples]
         batch = collate(encoded, pad_id=0)
         labels = batch.pop("labels")
@@ -335,7 +248,8 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
             if vision_stage:
                 media = _run_vision_tower(model, batch)
                 loss = probe.loss(merged, [batch[k] for k, _ in media], batch_shape_targets(encoded),
-                                  [batch[g] for _, g in media], batch_scene_targets(encoded))
+                                  [batch[g] for _, g in media], batch_scene_targets(encoded),
+                                  batch_char_targets(encoded))
             else:
                 loss = answer_loss(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
@@ -393,10 +307,11 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
                    bf16: bool, batch_size: int = 16) -> dict[str, float]:
     """Stage 1's held-out score: per visual token, how often the scene heads name
     the object count, the shapes' colours, the text's characters and the motion
-    direction (where the scene says), and the per-cell colour head."""
+    direction (where the scene says), the per-cell colour head, and the character
+    head on the cells that hold a character ("chars")."""
     merged: list[torch.Tensor] = []
     hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
-    hits = {name: [0, 0] for name in ["cell_color", *dict.fromkeys(probe.SCENE_COLUMNS)]}
+    hits = {name: [0, 0] for name in ["cell_color", "chars", *dict.fromkeys(probe.SCENE_COLUMNS)]}
     try:
         for start in range(0, num_samples, batch_size):
             encoded = [encoder.encode(make_sample("eval", i))
@@ -409,6 +324,12 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
             colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
             hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
             hits["cell_color"][1] += len(colours)
+            chars = batch_char_targets(encoded)
+            if chars is not None:
+                known = chars > 0
+                predicted = probe.char_logits(features[:len(chars)]).argmax(-1)
+                hits["chars"][0] += int((predicted[known] == chars[known]).sum())
+                hits["chars"][1] += int(known.sum())
             classes, _ = batch_scene_targets(encoded)
             scene_logits = probe.scene_head(features).split(probe.SCENE_GROUPS, dim=-1)
             for column, (name, logits) in enumerate(zip(probe.SCENE_COLUMNS, scene_logits)):

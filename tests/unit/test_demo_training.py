@@ -11,9 +11,10 @@ from foveal.demo_model.encode import (
     scene_targets, shape_targets,
 )
 from foveal.demo_model.render import COLOR_NAMES, SHAPES
+from foveal.demo_model.probe import VisualTokenProbe
 from foveal.demo_model.tasks import make_sample
 from foveal.demo_model.train import (
-    TrainConfig, VisualTokenProbe, answer_loss, build_hf_model, lr_at, train,
+    TrainConfig, answer_loss, build_hf_model, lr_at, train,
     write_model_folder,
 )
 

@@ -1,0 +1,124 @@
+"""The training-only probe heads of `foveal train-demo`'s first stage: dense
+per-token targets that give the vision tower gradient before any answer does.
+Not exported with the model."""
+from __future__ import annotations
+
+import torch
+
+from foveal.demo_model.encode import CHAR_SLOTS, IGNORE_INDEX, MAX_COUNT, TEXT_CHARS, TEXT_SLOTS
+from foveal.demo_model.render import COLORS, SHAPES
+from foveal.demo_model.tasks import DIRECTIONS
+
+
+class VisualTokenProbe(torch.nn.Module):
+    """Training-only auxiliary heads (not exported): from each visual token, predict
+    what its 28x28 cell shows: its colour (background, a named colour, or dark
+    text ink, read off the cell's own pixels) and the shape covering it (from
+    the objects the generator drew). A VLM trained from scratch sits on the
+    answer prior until its vision tower carries signal; these dense losses give
+    the tower gradient from the first step.
+
+    Scene heads: every token of an image (or clip) also predicts what the whole
+    picture shows (encode.scene_targets: object count, each shape's colour, the
+    text's characters, the motion direction, the one shape's place). The tower
+    attends across its image, so it learns to write the scene into each token,
+    and the text decoder can answer from any visual token it attends to.
+
+    Character head: each token names the characters whose centres fall in its
+    cell, left to right (encode.char_targets), learnt mostly from
+    training-only pages of text (tasks.make_page); the decoder then reads a word
+    off the tokens it covers, left to right."""
+
+    NUM_CLASSES = len(COLORS) + 2  # background, colours..., ink
+    # each scene column (encode.scene_targets) and its class count
+    SCENE_COLUMNS = ("count",) + ("colors",) * len(SHAPES) + ("text",) * TEXT_SLOTS + ("direction",)
+    SCENE_GROUPS = ((MAX_COUNT + 1,) + (len(COLORS) + 1,) * len(SHAPES)
+                    + (len(TEXT_CHARS) + 1,) * TEXT_SLOTS + (len(DIRECTIONS),))
+    SCENE_WEIGHT = 4.0
+    CHAR_CLASSES = len(TEXT_CHARS) + 1  # 0: no (further) character in the cell
+    CHAR_WEIGHT = 2.0
+    EMPTY_CHAR_WEIGHT = 0.1  # most cells hold no text; they count less
+
+    def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2):
+        super().__init__()
+        self.head = torch.nn.Linear(hidden, self.NUM_CLASSES)
+        self.shape_head = torch.nn.Linear(hidden, len(SHAPES) + 1)
+        self.position_head = torch.nn.Linear(hidden, 2)
+        self.scene_head = torch.nn.Linear(hidden, sum(self.SCENE_GROUPS))
+        self.where_head = torch.nn.Linear(hidden, 2)
+        self.char_head = torch.nn.Linear(hidden, CHAR_SLOTS * self.CHAR_CLASSES)
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1), persistent=False)
+        self.register_buffer("palette", torch.tensor(list(COLORS.values()), dtype=torch.float32) / 255,
+                             persistent=False)
+        self.merge, self.patch, self.temporal = merge, patch, temporal
+
+    @torch.no_grad()
+    def targets(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(patches, C*T*P*P) rows in merge-window order -> one class per visual token."""
+        window = self.merge ** 2
+        rows = pixel_values.float().view(-1, 3, self.temporal, self.patch * self.patch)[:, :, 0]
+        cells = rows.view(-1, window, 3, self.patch * self.patch).permute(0, 2, 1, 3)
+        rgb = (cells.reshape(cells.shape[0], 3, -1) * self.std + self.mean).clamp(0, 1)
+        saturation = rgb.amax(1) - rgb.amin(1)
+        # nearest palette colour: argmin |x - p|^2 = argmin (|p|^2 - 2 x.p)
+        distance = (self.palette ** 2).sum(1) - 2 * rgb.transpose(1, 2) @ self.palette.T
+        classes = torch.where(saturation > 0.25, distance.argmin(2) + 1, 0)
+        classes = torch.where((saturation <= 0.25) & (rgb.amax(1) < 0.5), self.NUM_CLASSES - 1, classes)
+        counts = torch.zeros(classes.shape[0], self.NUM_CLASSES).scatter_add_(
+            1, classes, torch.ones(classes.shape))
+        counts[:, 0] = 0
+        best = counts.argmax(1)
+        enough = counts.gather(1, best[:, None]).squeeze(1) >= 0.08 * classes.shape[1]
+        return torch.where(enough, best, 0)
+
+    def positions(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """(tokens, 2): each visual token's cell centre as (row, column) fractions
+        of its image. The vision tower only sees relative positions (2-D RoPE);
+        this target makes it carry where a token sits, which the position and
+        motion questions need."""
+        out = []
+        for t, h, w in grid_thw.tolist():
+            rows, cols = h // self.merge, w // self.merge
+            r = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
+            c = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols
+            cell = torch.stack(torch.meshgrid(r, c, indexing="ij"), -1).view(-1, 2)
+            out.append(cell.repeat(t, 1))
+        return torch.cat(out)
+
+    def scene_loss(self, features: torch.Tensor, classes: torch.Tensor,
+                   where: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the scene columns a token has targets for, plus
+        the one shape's place where there is exactly one."""
+        logits = self.scene_head(features).split(self.SCENE_GROUPS, dim=-1)
+        losses = [torch.nn.functional.cross_entropy(out, classes[:, i], ignore_index=IGNORE_INDEX)
+                  for i, out in enumerate(logits) if (classes[:, i] != IGNORE_INDEX).any()]
+        known = ~where[:, 0].isnan()
+        if known.any():
+            losses.append(10 * torch.nn.functional.mse_loss(self.where_head(features[known]), where[known]))
+        return torch.stack(losses).sum() / len(self.SCENE_GROUPS)
+
+    def char_logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.char_head(features).view(-1, CHAR_SLOTS, self.CHAR_CLASSES)
+
+    def char_loss(self, features: torch.Tensor, chars: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the character head on the first len(chars) tokens (the
+        batch's images), empty slots weighted EMPTY_CHAR_WEIGHT."""
+        logits = self.char_logits(features[:len(chars)]).reshape(-1, self.CHAR_CLASSES)
+        chars = chars.reshape(-1)
+        weight = torch.where(chars > 0, 1.0, self.EMPTY_CHAR_WEIGHT) * (chars != IGNORE_INDEX)
+        per_slot = torch.nn.functional.cross_entropy(logits, chars.clamp(min=0), reduction="none")
+        return (per_slot * weight).sum() / weight.sum().clamp(min=1e-6)
+
+    def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
+             shapes: list[torch.Tensor], grids: list[torch.Tensor],
+             scenes: tuple[torch.Tensor, torch.Tensor], chars: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        features = torch.cat(features).float()
+        colours = torch.cat([self.targets(p) for p in pixels])
+        where = torch.cat([self.positions(g) for g in grids])
+        loss = (torch.nn.functional.cross_entropy(self.head(features), colours)
+                + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
+                + 10 * torch.nn.functional.mse_loss(self.position_head(features), where)
+                + self.SCENE_WEIGHT * self.scene_loss(features, *scenes))
+        return loss if chars is None else loss + self.CHAR_WEIGHT * self.char_loss(features, chars)

@@ -1,0 +1,101 @@
+"""The demo model's reading targets: pages of text for stage 1, and the
+per-token character targets (the characters whose centres fall in each visual
+token's cell, left to right) that both pages and `read` samples give the probe."""
+import numpy as np
+import pytest
+import torch
+
+from foveal.demo_model.encode import (
+    CHAR_SLOTS, IGNORE_INDEX, TEXT_CHARS, SampleEncoder, batch_char_targets, char_targets,
+)
+from foveal.demo_model.probe import VisualTokenProbe
+from foveal.demo_model.render import text_size
+from foveal.demo_model.tasks import make_page, make_sample
+from foveal.demo_model.train import write_model_folder
+
+
+@pytest.fixture(scope="module")
+def scaffold(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("demo-scaffold")
+    return folder, write_model_folder(folder)
+
+
+def _spelled(targets: torch.Tensor) -> str:
+    """The characters of a one-line text, read token by token, slot by slot."""
+    return "".join(TEXT_CHARS[c - 1] for c in targets.reshape(-1).tolist() if c > 0)
+
+
+def test_a_page_is_deterministic_and_draws_every_run_it_lists():
+    page, again = make_page(7), make_page(7)
+    assert page.texts == again.texts and page.images[0].tobytes() == again.images[0].tobytes()
+    assert page.task == "page" and page.texts[0] != make_page(8).texts[0]
+    runs = page.texts[0]
+    assert len(runs) >= 10
+    pixels = np.asarray(page.images[0].convert("L"))
+    for text, x, y, size in runs:
+        assert set(text) <= set(TEXT_CHARS)
+        width, height = text_size(text, size)
+        box = pixels[int(y):int(y) + height + 6, int(x):int(x) + width + 2]
+        assert box.min() < 100, f"no ink where {text!r} was drawn"  # the background is light
+
+
+def test_character_targets_spell_each_read_answer_in_order():
+    exact = 0
+    for index in range(120):
+        sample = make_sample("eval", index, task="read")
+        image = sample.images[0]
+        grid = (1, image.height // 14, image.width // 14)  # the task's sizes are multiples of 28
+        targets = char_targets(sample.texts[0], image.width, image.height, grid)
+        assert targets.shape == (grid[1] * grid[2] // 4, CHAR_SLOTS)
+        spelled = _spelled(targets)
+        assert len(spelled) <= len(sample.answer) and set(spelled) <= set(sample.answer)
+        exact += spelled == sample.answer
+    assert exact == 120
+
+
+def test_character_targets_are_ignored_on_a_shrunk_image_and_repeat_per_frame():
+    sample = make_sample("eval", 3, task="read")
+    image = sample.images[0]
+    full = char_targets(sample.texts[0], image.width, image.height, (1, image.height // 14,
+                                                                   image.width // 14))
+    half = (1, image.height // 28, image.width // 28)  # half the side: the glyphs blur away
+    shrunk = char_targets(sample.texts[0], image.width, image.height, half)
+    assert bool((shrunk == IGNORE_INDEX).all()) and bool((full >= 0).all())
+    two = char_targets(sample.texts[0], image.width, image.height, (2, image.height // 14,
+                                                                   image.width // 14))
+    assert torch.equal(two, full.repeat(2, 1))
+
+
+def test_batch_character_targets_cover_every_image_token_in_tower_order(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    # a read sample, a two-image compare sample (no text), a clip (no images), a page
+    items = [encoder.encode(s) for s in (make_sample("eval", 3), make_sample("eval", 4),
+                                         make_sample("eval", 5), make_page(0))]
+    chars = batch_char_targets(items)
+    merge = hf_config["vision_config"]["spatial_merge_size"] ** 2
+    image_tokens = sum(t * h * w // merge for item in items for t, h, w in item.image_grid_thw)
+    assert chars.shape == (image_tokens, CHAR_SLOTS)
+    read_tokens = len(items[0].image_char_targets[0])
+    assert _spelled(chars[:read_tokens]) == make_sample("eval", 3).answer
+    assert bool((chars[read_tokens:read_tokens + sum(len(t) for t in items[1].image_char_targets)]
+                 == 0).all())
+    assert _spelled(chars[-len(items[3].image_char_targets[0]):]) != ""
+
+
+def test_char_loss_weights_empty_slots_less_and_skips_ignored_ones():
+    probe = VisualTokenProbe(16, [0.5] * 3, [0.5] * 3)
+    features = torch.randn(5, 16)
+    chars = torch.zeros(3, CHAR_SLOTS, dtype=torch.long)
+    chars[0, 1] = 4
+    logits = probe.char_logits(features[:3]).reshape(-1, probe.CHAR_CLASSES)
+    flat = chars.reshape(-1)
+    per_slot = torch.nn.functional.cross_entropy(logits, flat, reduction="none")
+    weight = torch.where(flat > 0, 1.0, probe.EMPTY_CHAR_WEIGHT)
+    expected = (per_slot * weight).sum() / weight.sum()
+    assert torch.allclose(probe.char_loss(features, chars), expected)
+    ignored = chars.clone()
+    ignored[2] = IGNORE_INDEX
+    keep = weight.view(3, CHAR_SLOTS)[:2].reshape(-1)
+    expected = (per_slot.view(3, CHAR_SLOTS)[:2].reshape(-1) * keep).sum() / keep.sum()
+    assert torch.allclose(probe.char_loss(features, ignored), expected)
