@@ -10,8 +10,8 @@ _TASK_NAMES = "shapes, count, position, read, compare, motion"
 def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
-    names = ("vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch", "vision_lr", "lr",
-             "joint_lr", "seed", "eval_every")
+    names = ("vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch", "char_weight",
+             "vision_lr", "lr", "joint_lr", "seed", "eval_every")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)
@@ -45,7 +45,9 @@ def register(subparsers) -> None:
     train.add_argument("--joint-lr", type=float, help="stage 3 peak learning rate (default 5e-5)")
     train.add_argument("--batch-size", type=int, help="samples per step (default 16)")
     train.add_argument("--pages-per-batch", type=int,
-                       help="stage 1: pages of text read per step besides the samples (default 6)")
+                       help="stage 1: pages of text read per step besides the samples (default 0)")
+    train.add_argument("--char-weight", type=float,
+                       help="stage 1: weight of the per-token character loss (default 0: off)")
     train.add_argument("--vision-lr", type=float, help="stage 1 peak learning rate (default 1e-3)")
     train.add_argument("--lr", type=float, help="stage 2 peak learning rate (default 3e-4)")
     train.add_argument("--seed", type=int, help="weight init seed (default 0)")

@@ -36,7 +36,6 @@ class VisualTokenProbe(torch.nn.Module):
                     + (len(TEXT_CHARS) + 1,) * TEXT_SLOTS + (len(DIRECTIONS),))
     SCENE_WEIGHT = 4.0
     CHAR_CLASSES = len(TEXT_CHARS) + 1  # 0: no (further) character in the cell
-    CHAR_WEIGHT = 2.0
     EMPTY_CHAR_WEIGHT = 0.1  # most cells hold no text; they count less
 
     def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2):
@@ -112,8 +111,8 @@ class VisualTokenProbe(torch.nn.Module):
 
     def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
              shapes: list[torch.Tensor], grids: list[torch.Tensor],
-             scenes: tuple[torch.Tensor, torch.Tensor], chars: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             scenes: tuple[torch.Tensor, torch.Tensor], chars: torch.Tensor | None = None,
+             char_weight: float = 0.0) -> torch.Tensor:
         features = torch.cat(features).float()
         colours = torch.cat([self.targets(p) for p in pixels])
         where = torch.cat([self.positions(g) for g in grids])
@@ -121,4 +120,6 @@ class VisualTokenProbe(torch.nn.Module):
                 + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
                 + 10 * torch.nn.functional.mse_loss(self.position_head(features), where)
                 + self.SCENE_WEIGHT * self.scene_loss(features, *scenes))
-        return loss if chars is None else loss + self.CHAR_WEIGHT * self.char_loss(features, chars)
+        if chars is None or not char_weight:
+            return loss
+        return loss + char_weight * self.char_loss(features, chars)

@@ -99,3 +99,20 @@ def test_char_loss_weights_empty_slots_less_and_skips_ignored_ones():
     keep = weight.view(3, CHAR_SLOTS)[:2].reshape(-1)
     expected = (per_slot.view(3, CHAR_SLOTS)[:2].reshape(-1) * keep).sum() / keep.sum()
     assert torch.allclose(probe.char_loss(features, ignored), expected)
+
+
+def test_the_character_loss_counts_only_with_a_weight():
+    torch.manual_seed(0)
+    probe = VisualTokenProbe(16, [0.5] * 3, [0.5] * 3)
+    features = [torch.randn(4, 16)]
+    pixels = [torch.rand(16, 3 * 2 * 14 * 14)]  # 4 tokens of 2x2 patches
+    shapes, grids = [torch.zeros(4, dtype=torch.long)], [torch.tensor([[1, 4, 4]])]
+    classes = torch.full((4, len(probe.SCENE_COLUMNS)), IGNORE_INDEX)
+    classes[:, 0] = 2
+    scenes = (classes, torch.full((4, 2), float("nan")))
+    chars = torch.zeros(4, CHAR_SLOTS, dtype=torch.long)
+    chars[1, 0] = 5
+    base = probe.loss(features, pixels, shapes, grids, scenes)
+    assert torch.allclose(probe.loss(features, pixels, shapes, grids, scenes, chars), base)
+    weighted = probe.loss(features, pixels, shapes, grids, scenes, chars, char_weight=2.0)
+    assert torch.allclose(weighted, base + 2.0 * probe.char_loss(features[0], chars))
