@@ -23,6 +23,7 @@ class TextConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     hidden_act: str = "silu"
+    attention_bias: bool = True  # q/k/v projection bias (Qwen2: yes; Llama / Mistral: no)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class VisionConfig:
     window_size: int = 0  # Qwen2.5-VL window attention, in pixels
     fullatt_block_indexes: tuple[int, ...] = ()
     tokens_per_second: int = 0  # Qwen2.5-VL video time alignment
+    num_position_embeddings: int = 0  # Qwen3-VL learned position table (a square grid)
+    # Qwen3-VL DeepStack: vision blocks whose merged outputs are added to the
+    # first len(...) decoder layers' hidden states at the visual positions.
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,9 @@ class ModelConfig:
     mm_encoder_tp_mode: str = "weights"
     checkpoint_dtype: str | None = None  # config.json's (torch_)dtype: how the weights are stored
     checkpoint_quantization: CheckpointQuantization | None = None  # None: float weights
+    # Settings only one family has (a frozen dataclass from that family's config module,
+    # e.g. models/gemma3_config.Gemma3Settings); None for the Qwen-VL families.
+    family_config: object | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,10 @@ class AttentionMetadata:
     # Tensors a backend derives once per forward and reuses in every layer
     # (gather indices, masks), keyed by the backend.
     backend_cache: dict = field(default_factory=dict)
+    # Per request, context ranges [start, end) whose tokens attend to each other
+    # both ways (Gemma 3's image tokens); None: causal everywhere. The scheduler
+    # never splits one over two steps, so a span's keys are all there.
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
     @classmethod
     def from_arrays(cls, slot_mapping: np.ndarray, query_start_loc: np.ndarray,

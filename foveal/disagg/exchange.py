@@ -134,7 +134,9 @@ def _pull_embeddings(request: Request, source: dict, config: EngineConfig,
     if not wanted:
         return  # processed differently here (other processor options): encode locally
     items = _fetch(source, sorted(set(wanted)), config.transfer, stats)
-    width = config.model.text.hidden_size
+    # Qwen3-VL's DeepStack rows travel beside each visual token: hidden per layer
+    deepstack = len(getattr(config.model.vision, "deepstack_visual_indexes", ()))
+    width = config.model.text.hidden_size * (1 + deepstack)
     for index, feature in enumerate(request.mm_features):
         if feature.mm_hash not in items:
             continue

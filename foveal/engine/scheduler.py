@@ -106,6 +106,12 @@ class Scheduler:
                 f"max_tokens / --max-model-len")
         for feature in request.mm_features:
             self.encoder.check_fits(feature, self.config.encoder_compute_budget)
+            longest = max((end - start for start, end in feature.bidirectional_spans), default=0)
+            if longest > self.config.max_num_batched_tokens:
+                raise InvalidRequestError(
+                    f"a {feature.modality} needs its {longest} tokens computed in one step but a "
+                    f"step holds {self.config.max_num_batched_tokens}; raise "
+                    f"--max-num-batched-tokens")
 
     def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED
                        ) -> None:
@@ -265,6 +271,7 @@ class Scheduler:
         Returns the (possibly cut) token count and the feature indices to encode.
         """
         start = request.num_computed_tokens
+        num_new = _without_split_spans(request, start, num_new)
         to_encode: list[int] = []
         for index, feature in enumerate(request.mm_features):
             placeholder = feature.placeholder
@@ -395,3 +402,15 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
         self.stats.finished[status.finish_reason] += 1
+
+
+def _without_split_spans(request: Request, start: int, num_new: int) -> int:
+    """The window [start, start + num_new) cut so that it never ends inside a
+    bidirectional span (its tokens must see each other, so they are computed in one
+    step): it ends before the span, or is empty when it starts inside one."""
+    end = start + num_new
+    for feature in request.mm_features:
+        for span_start, span_end in feature.bidirectional_spans:
+            if span_start < end < span_end:
+                return max(0, span_start - start)
+    return num_new

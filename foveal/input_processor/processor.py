@@ -41,6 +41,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.family = get_processor_family(config.model.model_type)
+        self.expand_placeholders = self.family.expander(tokenizer)
         kwargs = dict(config.multimodal.mm_processor_kwargs)
         name = kwargs.pop("transcriber", None)
         self.transcriber = transcriber or (get_transcriber(name) if name else None)
@@ -97,7 +98,7 @@ class InputProcessor:
         items = self._process_media(media, image_plans, video_plans, image_processor, video_processor)
         token_ids = self._add_transcripts(token_ids, media.videos, kwargs, transcripts)
         model = self.config.model
-        token_ids, features = self.family.expand_placeholders(
+        token_ids, features = self.expand_placeholders(
             token_ids, {"image": (model.image_token_id, items[0]), "video": (model.video_token_id, items[1])})
         self._check_length(token_ids, features)
         request = Request(request_id, token_ids, features, self._finalize(params, token_ids),

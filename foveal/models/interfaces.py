@@ -24,7 +24,9 @@ class SupportsMultiModal(Protocol):
     def embed_multimodal(self, features: list[MMFeature]) -> list[torch.Tensor]:
         """Run the vision tower on a batch of items (any mix of images).
 
-        Returns one (feature.placeholder.length, hidden) tensor per item.
+        Returns one (feature.placeholder.length, hidden) tensor per item, or
+        wider: columns past hidden are per-layer additions (Qwen3-VL DeepStack)
+        that the runner passes to forward() beside the embeddings (zeros on text).
         """
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ class Qwen2Attention(nn.Module):
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=True)
+                                          config.num_key_value_heads, bias=config.attention_bias)
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size)
@@ -48,9 +48,12 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, layer_idx: int):
+    """Pre-norm attention + SwiGLU MLP with a fused residual; `attention` is the
+    attention module's class (Qwen3 brings its q/k-norm one)."""
+
+    def __init__(self, config: TextConfig, layer_idx: int, attention: type[nn.Module] = Qwen2Attention):
         super().__init__()
-        self.self_attn = Qwen2Attention(config, layer_idx)
+        self.self_attn = attention(config, layer_idx)
         self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -57,8 +57,19 @@ class Geometry:
 
     def frame_tokens(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
         """Tokens of one temporal patch (or one image) at these pixel bounds."""
-        resized_h, resized_w = smart_resize(height, width, self.factor, min_pixels, max_pixels)
+        resized_h, resized_w = self.resized_size(width, height, min_pixels, max_pixels)
         return (resized_h // self.factor) * (resized_w // self.factor)
+
+    def video_tokens(self, width: int, height: int, num_frames: int, min_pixels: int,
+                     max_pixels: int) -> int:
+        """Tokens of a video of num_frames frames at these pixel bounds."""
+        temporal_patches = -(-num_frames // self.temporal_patch_size)
+        return self.frame_tokens(width, height, min_pixels, max_pixels) * temporal_patches
+
+    def resized_size(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        """(height, width) the processor resizes a frame to at these pixel bounds; families
+        with other resize rules subclass Geometry and override this and frame_tokens."""
+        return smart_resize(height, width, self.factor, min_pixels, max_pixels)
 
 
 @dataclass(frozen=True)
@@ -141,10 +152,12 @@ class _ItemOptions:
         return min(top_frames, max(T, -(-self.geometry.min_frames // T) * T))
 
     def _setting(self, max_pixels: int, num_frames: int) -> _Setting:
-        g = self.geometry
-        per_patch = g.frame_tokens(self.item.width, self.item.height, self.min_pixels, max_pixels)
-        temporal_patches = -(-num_frames // g.temporal_patch_size) if self.modality == "video" else 1
-        return _Setting(per_patch * temporal_patches, max_pixels, num_frames)
+        g, item = self.geometry, self.item
+        if self.modality == "video":
+            tokens = g.video_tokens(item.width, item.height, num_frames, self.min_pixels, max_pixels)
+        else:
+            tokens = g.frame_tokens(item.width, item.height, self.min_pixels, max_pixels)
+        return _Setting(tokens, max_pixels, num_frames)
 
     def best(self, offer: int) -> _Setting:
         """The largest setting within `offer` tokens: frames first, then pixels."""
@@ -206,7 +219,8 @@ def _plan(options: list[_ItemOptions], settings: list[_Setting], budget: int | N
 
 
 def _item_plan(option: _ItemOptions, setting: _Setting) -> ItemPlan:
-    item, factor = option.item, option.geometry.factor
-    height, width = smart_resize(item.height, item.width, factor, option.min_pixels, setting.max_pixels)
+    item = option.item
+    height, width = option.geometry.resized_size(item.width, item.height, option.min_pixels,
+                                                 setting.max_pixels)
     return ItemPlan(option.modality, setting.max_pixels, setting.num_frames, setting.tokens,
                     option.detail, width, height, downsampled=setting != option.preferred)

@@ -14,6 +14,9 @@ from typing import Any
 
 # data key of an item's embeddings, (placeholder.length, text hidden size)
 ENCODED_KEY = "embeddings"
+# data key of the token runs ((offset in the placeholder, length), ...) whose tokens
+# attend to each other both ways (Gemma 3's images); plain data, so plans carry it
+BIDIRECTIONAL_KEY = "bidirectional_runs"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,14 @@ class MMFeature:
     @property
     def num_encoder_tokens(self) -> int:
         return self.placeholder.length
+
+    @property
+    def bidirectional_spans(self) -> tuple[tuple[int, int], ...]:
+        """Prompt ranges [start, end) of its bidirectional runs: the scheduler never
+        splits one over two steps, and attention lets their tokens see each other."""
+        base = self.placeholder.offset
+        return tuple((base + offset, base + offset + length)
+                     for offset, length in self.data.get(BIDIRECTIONAL_KEY, ()))
 
     @property
     def is_encoded(self) -> bool:

@@ -249,12 +249,14 @@ class ModelRunner:
         num_rows = seq_lens - known + 1  # (B,): that token's row and one per draft
         logits_indices = [np.arange(end - rows, end) for end, rows, m in zip(
             query_start_loc[1:], num_rows, sampled_mask) if m]
+        attn_metadata = AttentionMetadata.from_arrays(slot_mapping, query_start_loc, seq_lens,
+                                                      block_tables, self.block_size, self.device)
+        spans = [[span for f in s.mm_features for span in f.bidirectional_spans] for s in states]
+        attn_metadata.bidirectional_spans = spans if any(spans) else None
         return Batch(
             input_ids=self._to_device(np.array(input_ids, dtype=np.int64)),
             positions=self._to_device(self._positions(states, starts, num_new, token_index)),
-            attn_metadata=AttentionMetadata.from_arrays(slot_mapping, query_start_loc, seq_lens,
-                                                        block_tables, self.block_size,
-                                                        self.device),
+            attn_metadata=attn_metadata,
             logits_indices=self._to_device(np.concatenate(logits_indices or [np.zeros(0, int)])
                                            .astype(np.int64)),
             sampled=[item for item, m in zip(scheduled, sampled_mask.tolist()) if m])
@@ -277,6 +279,12 @@ class ModelRunner:
 
     def _embed(self, batch: Batch, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         inputs_embeds = self.model.embed_input_ids(batch.input_ids)  # (T, hidden)
+        # Encoder rows wider than hidden carry per-layer additions (Qwen3-VL
+        # DeepStack) in the extra columns: text rows get zeros there.
+        width = max((rows.shape[-1] for item in scheduled for _, rows in item.mm_rows),
+                    default=inputs_embeds.shape[-1])
+        if width > inputs_embeds.shape[-1]:
+            inputs_embeds = torch.nn.functional.pad(inputs_embeds, (0, width - inputs_embeds.shape[-1]))
         query_start_loc = batch.attn_metadata.query_start_loc_cpu
         for i, item in enumerate(scheduled):
             for offset, rows in item.mm_rows:

@@ -37,11 +37,14 @@ def write_quantized_kv(kv_cache: torch.Tensor, kv_scales: torch.Tensor, codec: K
 def attend_quantized(queries: torch.Tensor, query_positions: torch.Tensor,
                      seq_lens: torch.Tensor, context_slots: torch.Tensor,
                      kv_cache: torch.Tensor, kv_scales: torch.Tensor, codec: KVCodec,
-                     scale: float, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+                     scale: float, chunk_tokens: int = CHUNK_TOKENS, *,
+                     key_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries over their requests' cached context.
 
     queries:         (B, Hkv, Q, D) rows grouped by KV head (GQA rides in Q)
-    query_positions: (B, Q) context position of each row (keys at <= it count)
+    query_positions: (B, Q) context position of each row (keys at <= it count;
+                     a bidirectional span's queries pass the span's last position)
+    key_starts:      (B, Q) first key position each row sees (sliding windows); None: 0
     seq_lens:        (B,) context length of each request
     context_slots:   (B, L) flat cache slot of context positions 0..L-1 (padding
                      beyond seq_len may point anywhere: it is masked)
@@ -70,6 +73,8 @@ def attend_quantized(queries: torch.Tensor, query_positions: torch.Tensor,
         scores = torch.matmul(queries, keys.transpose(-1, -2)) * key_scale  # (B, Hkv, Q, C)
         key_positions = torch.arange(start, start + chunk.shape[1], device=queries.device)
         visible = key_positions <= limits.unsqueeze(-1)  # (B, Q, C)
+        if key_starts is not None:
+            visible = visible & (key_positions >= key_starts.unsqueeze(-1))
         scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
         safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)

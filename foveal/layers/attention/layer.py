@@ -17,10 +17,13 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_idx: int):
+                 layer_idx: int, sliding_window: int | None = None):
+        """sliding_window: a query sees only the last `sliding_window` positions (itself
+        included); older KV blocks stay allocated, they are just not read."""
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale, self.layer_idx = head_dim, scale, layer_idx
+        self.sliding_window = sliding_window
         self._backends: dict[str, object] = {}
         # Per-head (k, v) scales a checkpoint gives for fp8 KV; None: computed per token.
         self.static_kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -30,8 +33,9 @@ class Attention(nn.Module):
             from foveal.layers.attention import get_attention_backend
 
             backend_cls = get_attention_backend(device_type)
+            window = {"sliding_window": self.sliding_window} if self.sliding_window else {}
             self._backends[device_type] = backend_cls(
-                self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+                self.num_heads, self.num_kv_heads, self.head_dim, self.scale, **window)
         return self._backends[device_type]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,11 @@ slots of every context position, the padding masks) is derived once per
 forward (`StepLayout`) and shared by all layers, so a decode step costs each
 layer one gather of K and V and one SDPA call. GQA runs without expanding K/V:
 the G query heads that share a KV head ride as G query rows of that head.
+
+Sliding-window layers and bidirectional spans (AttentionMetadata) give each
+query an interval of visible key positions [first, last] (`key_bounds`):
+causal, its last widened to the end of the span it sits in, its first
+narrowed to the window. Such layers take the masked paths below.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class _Prefill:
     rows: slice  # query rows of this request in the flattened batch
     seq_len: int  # context length after this step
     slots: torch.Tensor | None  # (seq_len,) cache slots; None when all context is new
+    request: int = 0  # index in the batch
 
 
 @dataclass
@@ -76,14 +82,37 @@ class StepLayout:
         if num_new < seq_len or context_always:
             slots = context_slots(metadata.block_tables[i:i + 1], seq_len,
                                   metadata.block_size)[0]
-        return _Prefill(slice(starts[i], starts[i + 1]), seq_len, slots)
+        return _Prefill(slice(starts[i], starts[i + 1]), seq_len, slots, i)
+
+
+def key_bounds(spans, prefill: _Prefill, window: int | None,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) visible key position of each new query of one request, (n,) each.
+
+    spans: the request's bidirectional [start, end) ranges (AttentionMetadata)."""
+    num_new = prefill.rows.stop - prefill.rows.start
+    positions = torch.arange(prefill.seq_len - num_new, prefill.seq_len, device=device)  # (n,)
+    last = positions.clone()
+    for start, end in spans:
+        inside = (positions >= start) & (positions < end)
+        last = torch.where(inside, min(end, prefill.seq_len) - 1, last)
+    first = positions - window + 1 if window else torch.zeros_like(positions)
+    return first, last
+
+
+def _spans(metadata: AttentionMetadata | None, request: int) -> list[tuple[int, int]]:
+    if metadata is None or metadata.bidirectional_spans is None:
+        return []
+    return metadata.bidirectional_spans[request]
 
 
 class SdpaBackend:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
         self.group = num_heads // num_kv_heads
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata | None,
@@ -99,6 +128,9 @@ class SdpaBackend:
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if metadata is None:
+            if self.sliding_window:
+                return self._bounded(q, k, v, _Prefill(slice(0, num_tokens), num_tokens, None),
+                                     None, metadata).reshape(num_tokens, -1)
             return self._causal(q, k, v).reshape(num_tokens, -1)
         if kv_scales is not None:
             return self._quantized(q, k, v, kv_cache, kv_scales, metadata,
@@ -110,10 +142,14 @@ class SdpaBackend:
             layout = metadata.backend_cache["sdpa"] = StepLayout.build(metadata)
         out = torch.empty_like(q)  # (T, H, D)
         if layout.decode_rows is not None:
-            out[layout.decode_rows] = self._decode(q[layout.decode_rows], kv_cache, layout)
+            out[layout.decode_rows] = self._decode(q[layout.decode_rows], kv_cache, layout,
+                                                   self._decode_mask(metadata, layout))
+        bounded = self.sliding_window is not None or metadata.bidirectional_spans is not None
         for prefill in layout.prefills:
             rows = prefill.rows
-            if prefill.slots is None:
+            if bounded:
+                out[rows] = self._bounded(q[rows], k[rows], v[rows], prefill, kv_cache, metadata)
+            elif prefill.slots is None:
                 out[rows] = self._causal(q[rows], k[rows], v[rows])
             else:
                 out[rows] = self._with_context(q[rows], kv_cache, prefill)
@@ -128,21 +164,25 @@ class SdpaBackend:
             layout = metadata.backend_cache["sdpa_quantized"] = StepLayout.build(
                 metadata, context_always=True)
         out = torch.empty_like(q)  # (T, H, D)
-        attend = lambda queries, positions, lens, slots: attend_quantized(  # noqa: E731
-            queries, positions, lens, slots, kv_cache, kv_scales, codec, self.scale)
+        attend = lambda queries, positions, lens, slots, firsts=None: attend_quantized(  # noqa: E731
+            queries, positions, lens, slots, kv_cache, kv_scales, codec, self.scale, key_starts=firsts)
+        window = self.sliding_window
         if layout.decode_rows is not None:
             batch = layout.decode_rows.shape[0]
             queries = q[layout.decode_rows].view(batch, self.num_kv_heads, self.group, -1)
             positions = (layout.decode_lens - 1).unsqueeze(-1).expand(batch, self.group)
+            firsts = positions - window + 1 if window else None
             out[layout.decode_rows] = attend(queries, positions, layout.decode_lens,
-                                             layout.decode_slots).reshape(batch, self.num_heads, -1)
+                                             layout.decode_slots, firsts).reshape(batch, self.num_heads, -1)
         for prefill in layout.prefills:
             rows, seq_len = prefill.rows, prefill.seq_len
             num_new = rows.stop - rows.start
-            positions = torch.arange(seq_len - num_new, seq_len, device=q.device)
-            positions = positions.repeat_interleave(self.group)[None]  # (1, n*G), as _grouped
+            first, last = key_bounds(_spans(metadata, prefill.request), prefill, window, q.device)
+            positions = last.repeat_interleave(self.group)[None]  # (1, n*G), as _grouped
+            firsts = first.repeat_interleave(self.group)[None] if window else None
             lens = torch.tensor([seq_len], device=q.device)
-            grouped = attend(self._grouped(q[rows])[None], positions, lens, prefill.slots[None])
+            grouped = attend(self._grouped(q[rows])[None], positions, lens, prefill.slots[None],
+                             firsts)
             out[rows] = self._ungrouped(grouped[0], num_new)
         return out
 
@@ -164,8 +204,44 @@ class SdpaBackend:
             is_causal=True, scale=self.scale, enable_gqa=self.group > 1)  # (H, n, D)
         return out.transpose(0, 1)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: StepLayout
-                ) -> torch.Tensor:
+    def _decode_mask(self, metadata: AttentionMetadata, layout: StepLayout) -> torch.Tensor:
+        """(Bd, 1, 1, Lmax) keys a decode row sees: its context, its last window on
+        sliding-window layers (a one-token step is never inside a span but its last token)."""
+        if not self.sliding_window:
+            return layout.decode_mask
+        key = ("sdpa_decode_window", self.sliding_window)
+        if key not in metadata.backend_cache:
+            first = (layout.decode_lens - self.sliding_window).view(-1, 1, 1, 1)  # (Bd, 1, 1, 1)
+            key_pos = torch.arange(layout.decode_mask.shape[-1], device=first.device)
+            metadata.backend_cache[key] = layout.decode_mask & (key_pos >= first)
+        return metadata.backend_cache[key]
+
+    def _bounded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: _Prefill,
+                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata | None) -> torch.Tensor:
+        """A prefill chunk whose queries see [first, last] key intervals (key_bounds):
+        q (n, H, D), k/v (n, Hkv, D) of the chunk -> (n, H, D)."""
+        num_new, seq_len = q.shape[0], prefill.seq_len
+        if prefill.slots is None:  # all context is this chunk
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, n, D)
+        else:
+            slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
+            keys = slots[0].index_select(0, prefill.slots).transpose(0, 1)  # (Hkv, L, D)
+            values = slots[1].index_select(0, prefill.slots).transpose(0, 1)
+        key = ("sdpa_bounds", self.sliding_window, prefill.request)
+        cache = metadata.backend_cache if metadata is not None else {}
+        if key not in cache:
+            first, last = key_bounds(_spans(metadata, prefill.request), prefill,
+                                     self.sliding_window, q.device)
+            key_pos = torch.arange(seq_len, device=q.device)
+            mask = (key_pos >= first.unsqueeze(-1)) & (key_pos <= last.unsqueeze(-1))  # (n, L)
+            cache[key] = mask.repeat_interleave(self.group, dim=0)  # (n*G, L), as _grouped
+        out = F.scaled_dot_product_attention(
+            self._grouped(q), keys.to(q.dtype), values.to(q.dtype), attn_mask=cache[key],
+            scale=self.scale)  # (Hkv, n*G, D)
+        return self._ungrouped(out, num_new)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: StepLayout,
+                mask: torch.Tensor) -> torch.Tensor:
         """q (Bd, H, D), one query per request -> (Bd, H, D)."""
         batch, max_len = layout.decode_slots.shape
         flat = layout.decode_slots.view(-1)
@@ -176,7 +252,7 @@ class SdpaBackend:
         queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # (Bd, Hkv, G, D)
         out = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=layout.decode_mask, scale=self.scale)  # (Bd, Hkv, G, D)
+            attn_mask=mask, scale=self.scale)  # (Bd, Hkv, G, D)
         return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _with_context(self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill

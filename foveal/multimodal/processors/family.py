@@ -82,3 +82,10 @@ class ProcessorFamily:
     expand_placeholders: PlaceholderExpander
     # (image processor, video processor) -> the planner's Geometry
     planner_geometry: Callable[[Any, Any], "Geometry"]
+    # Families whose expansion renders text (e.g. video timestamps) need the
+    # tokenizer: tokenizer -> the expander used instead of expand_placeholders.
+    text_expander: Callable[[Any], PlaceholderExpander] | None = None
+
+    def expander(self, tokenizer: Any) -> PlaceholderExpander:
+        """The placeholder expansion the input processor runs with this tokenizer."""
+        return self.text_expander(tokenizer) if self.text_expander else self.expand_placeholders
