@@ -11,11 +11,23 @@ import os
 
 from foveal.config import CheckpointQuantization, ModelConfig, TextConfig, VisionConfig
 from foveal.errors import ConfigError
+from foveal.lazy_import import resolve
 from foveal.models.registry import supported_architectures
 
 _VISION_VARIANTS = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
-                    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+                    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                    "Qwen3VLForConditionalGeneration": "qwen3_vl"}
 
+
+# architecture -> "module:function" (hf dict, path, eos ids, stored dtype, checkpoint
+# quantization) -> ModelConfig
+_FAMILY_CONFIGS = {"Gemma3ForConditionalGeneration": "foveal.models.gemma3_config:gemma3_model_config"}
+_FAMILY_CONFIGS.update(dict.fromkeys(
+    ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+     "LlavaOnevisionForConditionalGeneration"), "foveal.models.llava_config:llava_model_config"))
+_FAMILY_CONFIGS.update(dict.fromkeys(
+    ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+    "foveal.models.idefics3_config:idefics3_model_config"))
 
 def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
@@ -56,21 +68,29 @@ def _text_config(hf: dict) -> TextConfig:
 def _vision_config(vision: dict, variant: str, text_hidden: int) -> VisionConfig:
     if variant == "qwen2_vl":
         width = vision["embed_dim"]
-        mlp_width, out_hidden = int(width * vision.get("mlp_ratio", 4)), vision.get("hidden_size", text_hidden)
+        mlp_width = int(width * vision.get("mlp_ratio", 4))
+        out_hidden = vision.get("hidden_size", text_hidden)
     else:
         width, mlp_width = vision["hidden_size"], vision["intermediate_size"]
         out_hidden = vision.get("out_hidden_size", text_hidden)
     return VisionConfig(
         variant=variant, depth=vision["depth"], hidden_size=width,
         num_heads=vision["num_heads"], intermediate_size=mlp_width, out_hidden_size=out_hidden,
-        patch_size=vision.get("patch_size", 14),
+        patch_size=vision.get("patch_size", 16 if variant == "qwen3_vl" else 14),
         temporal_patch_size=vision.get("temporal_patch_size", 2),
         spatial_merge_size=vision.get("spatial_merge_size", 2),
         in_channels=vision.get("in_channels", 3),
         hidden_act=vision.get("hidden_act", "quick_gelu" if variant == "qwen2_vl" else "silu"),
         window_size=vision.get("window_size", 0) if variant == "qwen2_5_vl" else 0,
         fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes") or ()),
-        tokens_per_second=vision.get("tokens_per_second", 0) if variant == "qwen2_5_vl" else 0)
+        tokens_per_second=vision.get("tokens_per_second", 0) if variant == "qwen2_5_vl" else 0,
+        **(_qwen3_vl_vision(vision) if variant == "qwen3_vl" else {}))
+
+
+def _qwen3_vl_vision(vision: dict) -> dict:
+    """Qwen3-VL's learned position table and DeepStack layers."""
+    return {"num_position_embeddings": vision.get("num_position_embeddings", 2304),
+            "deepstack_visual_indexes": tuple(vision.get("deepstack_visual_indexes") or ())}
 
 
 def _as_ids(value) -> tuple[int, ...]:
@@ -83,11 +103,14 @@ def model_config_from_dict(hf: dict, path: str | None = None,
                            generation_config: dict | None = None) -> ModelConfig:
     """Build a ModelConfig from an HF config dict (either layout)."""
     architecture = _architecture(hf)
-    text = _text_config(hf)
     text_dict = hf.get("text_config") or {}
     eos = _as_ids((generation_config or {}).get("eos_token_id"))
     for value in (hf.get("eos_token_id"), text_dict.get("eos_token_id")):
         eos += tuple(i for i in _as_ids(value) if i not in eos)
+    if architecture in _FAMILY_CONFIGS:  # families whose config.json reads differently
+        return resolve(_FAMILY_CONFIGS[architecture])(hf, path, eos, _stored_dtype(hf, text_dict),
+                                                      _checkpoint_quantization(hf))
+    text = _text_config(hf)
     try:
         return ModelConfig(
             architecture=architecture, model_type=hf.get("model_type", ""), text=text,

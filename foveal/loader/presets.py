@@ -10,6 +10,9 @@ from __future__ import annotations
 import copy
 
 from foveal.errors import ConfigError
+from foveal.models.gemma3_config import gemma3_presets
+from foveal.models.idefics3_config import idefics3_presets
+from foveal.models.llava_config import llava_presets
 
 _SPECIAL_TOKENS = {"image_token_id": 12, "video_token_id": 13,
                    "vision_start_token_id": 9, "vision_end_token_id": 10}
@@ -54,6 +57,22 @@ def _qwen2_5_vl(text: dict, depth: int, hidden: int, heads: int, ffn: int,
             "bos_token_id": _BOS, "eos_token_id": _EOS, "pad_token_id": _PAD}
 
 
+def _qwen3_vl(text: dict, head_dim: int, depth: int, hidden: int, heads: int, ffn: int,
+              num_position_embeddings: int, deepstack: list[int]) -> dict:
+    text = {**text, "model_type": "qwen3_vl_text", "head_dim": head_dim, "attention_bias": False}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+    vision = {"model_type": "qwen3_vl_vision", "depth": depth, "hidden_size": hidden,
+              "intermediate_size": ffn, "out_hidden_size": text["hidden_size"], "num_heads": heads,
+              "hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "patch_size": 16,
+              "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "num_position_embeddings": num_position_embeddings,
+              "deepstack_visual_indexes": deepstack}
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+            "text_config": text, "vision_config": vision, **_SPECIAL_TOKENS,
+            "tie_word_embeddings": text["tie_word_embeddings"],
+            "bos_token_id": _BOS, "eos_token_id": _EOS, "pad_token_id": _PAD}
+
+
 def _tiny_text(layers: int, tied: bool) -> dict:
     return _text(vocab=512, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=128,
                  mrope_section=[2, 3, 3], tied=tied, max_positions=4096, theta=10000.0)
@@ -79,11 +98,29 @@ PRESETS: dict[str, dict] = {
                                        max_positions=128000),
                                  depth=32, hidden=1280, heads=16, ffn=3420, window_size=112,
                                  fullatt_block_indexes=[7, 15, 23, 31]),
+    "tiny-qwen3-vl": _qwen3_vl(_text(vocab=512, hidden=64, layers=3, heads=4, kv_heads=2, ffn=128,
+                                     mrope_section=[4, 2, 2], tied=False, max_positions=4096,
+                                     theta=10000.0),
+                               head_dim=16, depth=3, hidden=32, heads=2, ffn=64,
+                               num_position_embeddings=64, deepstack=[0, 2]),
+    # Qwen3-VL-2B-Instruct's shapes.
+    "qwen3-vl-2b": _qwen3_vl(_text(vocab=151936, hidden=2048, layers=28, heads=16, kv_heads=8,
+                                   ffn=6144, mrope_section=[24, 20, 20], tied=True,
+                                   max_positions=262144, theta=5_000_000.0),
+                             head_dim=128, depth=24, hidden=1024, heads=16, ffn=4096,
+                             num_position_embeddings=2304, deepstack=[5, 11, 17]),
     "qwen2.5-vl-7b": _qwen2_5_vl(_text(vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4,
                                        ffn=18944, mrope_section=[16, 24, 24], tied=False,
                                        max_positions=128000),
                                  depth=32, hidden=1280, heads=16, ffn=3420, window_size=112,
                                  fullatt_block_indexes=[7, 15, 23, 31]),
+    # Gemma 3: <|vision_start|> / <|vision_end|> / <|image_pad|> stand for <start_of_image> /
+    # <end_of_image> / the image soft token.
+    **gemma3_presets({"bos": _BOS, "eos": _EOS, "pad": _PAD, "boi": 9, "eoi": 10, "image": 12}),
+    # LLaVA: <|image_pad|> stands for <image>.
+    **llava_presets({"bos": _BOS, "eos": _EOS, "pad": _PAD, "image": 12, "video": 13}),
+    # Idefics3 / SmolVLM: <|image_pad|> stands for <image>.
+    **idefics3_presets({"bos": _BOS, "eos": _EOS, "pad": _PAD, "image": 12}),
 }
 
 

@@ -10,7 +10,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ARCH_PRESETS = {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl"}
+ARCH_PRESETS = {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl",
+                "qwen3_vl": "tiny-qwen3-vl", "gemma3": "tiny-gemma3", "llava": "tiny-llava",
+                "llava_next": "tiny-llava-next", "llava_onevision": "tiny-llava-onevision",
+                "idefics3": "tiny-idefics3", "smolvlm": "tiny-smolvlm"}
 # Tiny checkpoints cap image resolution so tests and the demo stay fast.
 _TINY_MAX_PIXELS = 448 * 448
 
@@ -43,7 +46,22 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: i
         model = build_dummy_model(hf_config, seed=seed)
         save_hf_checkpoint(model, hf_config, staging)
         special = write_tiny_tokenizer(staging, vocab_size=min(512, _vocab_size(hf_config)))
-        write_json(staging / "preprocessor_config.json", _preprocessor_config(preset))
+        if hf_config.get("model_type") == "qwen3_vl":
+            _write_qwen3_vl_files(staging, tiny=preset.startswith("tiny"))
+        elif hf_config.get("model_type") == "gemma3":
+            from foveal.multimodal.processors.gemma3_family import write_checkpoint_files
+
+            write_checkpoint_files(staging, hf_config)
+        elif hf_config.get("model_type") in ("llava", "llava_next", "llava_onevision"):
+            from foveal.multimodal.processors.llava_family import write_checkpoint_files as write_llava
+
+            write_llava(staging, hf_config)
+        elif hf_config.get("model_type") in ("idefics3", "smolvlm"):
+            from foveal.multimodal.processors.idefics3_family import write_checkpoint_files as write_idefics3
+
+            write_idefics3(staging, hf_config)
+        else:
+            write_json(staging / "preprocessor_config.json", _preprocessor_config(preset))
         write_json(staging / "generation_config.json", generation_config(special))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -51,6 +69,17 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: i
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _write_qwen3_vl_files(folder: Path, tiny: bool) -> None:
+    """Qwen3-VL's image and video processor configs and its chat template."""
+    from foveal.multimodal.processors.qwen3_vl_family import QWEN3_VL_CHAT_TEMPLATE, tiny_processor_configs
+
+    for name, body in tiny_processor_configs(tiny).items():
+        write_json(folder / name, body)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    write_json(folder / "tokenizer_config.json", {**config, "chat_template": QWEN3_VL_CHAT_TEMPLATE})
+    (folder / "chat_template.jinja").write_text(QWEN3_VL_CHAT_TEMPLATE, encoding="utf-8")
 
 
 def ensure_tiny_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl") -> Path:

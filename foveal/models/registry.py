@@ -9,6 +9,14 @@ _MODELS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "foveal.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration":
         "foveal.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "foveal.models.gemma3:Gemma3ForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "foveal.models.llava_next:LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration":
+        "foveal.models.llava_next:LlavaOnevisionForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": "foveal.models.idefics3:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "foveal.models.idefics3:SmolVLMForConditionalGeneration",
 }
 
 

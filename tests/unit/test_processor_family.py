@@ -39,7 +39,7 @@ def test_qwen_model_types_share_the_qwen2_vl_family():
 
 
 def test_unknown_model_type_names_the_supported_ones():
-    with pytest.raises(ConfigError, match=r"model_type 'llama'; supported: \['qwen2_5_vl', 'qwen2_vl'\]"):
+    with pytest.raises(ConfigError, match=r"model_type 'llama'; supported: \[.*'qwen2_5_vl', 'qwen2_vl'"):
         get_processor_family("llama")
 
 

@@ -14,6 +14,11 @@ _QWEN2_VL = "foveal.multimodal.processors.qwen2_vl_family:QWEN2_VL"
 _FAMILIES: dict[str, str] = {
     "qwen2_vl": _QWEN2_VL,
     "qwen2_5_vl": _QWEN2_VL,
+    "qwen3_vl": "foveal.multimodal.processors.qwen3_vl_family:QWEN3_VL",
+    "gemma3": "foveal.multimodal.processors.gemma3_family:GEMMA3",
+    **dict.fromkeys(("llava", "llava_next", "llava_onevision"),
+                    "foveal.multimodal.processors.llava_family:LLAVA"),
+    **dict.fromkeys(("idefics3", "smolvlm"), "foveal.multimodal.processors.idefics3_family:IDEFICS3"),
 }
 
 

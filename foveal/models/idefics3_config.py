@@ -1,0 +1,100 @@
+"""Idefics3 / SmolVLM config.json -> ModelConfig, torch-free.
+
+Both families share one layout: a SigLIP-style `vision_config` (no class
+token, post-LN), `scale_factor` (the connector's pixel shuffle) and a Llama
+`text_config` (read by `llava_config.decoder_text_config`, so unsupported RoPE
+scaling is a ConfigError). What only these families have is `Idefics3Settings`
+(`ModelConfig.family_config`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from foveal.config import CheckpointQuantization, ModelConfig, VisionConfig
+from foveal.errors import ConfigError
+from foveal.models.llava_config import decoder_text_config
+
+_ARCHITECTURES = {"idefics3": "Idefics3ForConditionalGeneration",
+                  "smolvlm": "SmolVLMForConditionalGeneration"}
+# transformers' Idefics3VisionConfig / SmolVLMVisionConfig defaults.
+_VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12,
+                    "num_attention_heads": 16, "num_channels": 3, "image_size": 224, "patch_size": 32,
+                    "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
+
+
+@dataclass(frozen=True)
+class Idefics3Settings:
+    """What Idefics3 / SmolVLM need beyond TextConfig / VisionConfig."""
+
+    scale_factor: int  # pixel shuffle: scale^2 neighbouring patches -> one token
+    image_size: int  # the tower's square input side (one tile), pixels
+    vision_layer_norm_eps: float
+
+    def image_seq_len(self, patch_size: int) -> int:
+        """Visual tokens per tile: (side / patch)^2 / scale^2."""
+        return (self.image_size // patch_size) ** 2 // self.scale_factor ** 2
+
+
+def idefics3_model_config(hf: dict, path: str | None, eos: tuple[int, ...], stored_dtype: str | None,
+                          quantization: CheckpointQuantization | None) -> ModelConfig:
+    model_type = hf.get("model_type", "idefics3")
+    if model_type not in _ARCHITECTURES:
+        raise ConfigError(f"model_type {model_type!r} is not Idefics3 / SmolVLM; "
+                          f"supported: {sorted(_ARCHITECTURES)}")
+    text_dict = {"model_type": "llama", "rms_norm_eps": 1e-5, **(hf.get("text_config") or {})}
+    tied = bool(hf.get("tie_word_embeddings", text_dict.get("tie_word_embeddings", False)))
+    text = decoder_text_config(text_dict, tied)
+    vision = {**_VISION_DEFAULTS, **(hf.get("vision_config") or {})}
+    scale = int(hf.get("scale_factor", 2))
+    side, patch = int(vision["image_size"]), int(vision["patch_size"])
+    if side % patch or (side // patch) % scale:
+        raise ConfigError(f"vision image_size {side} must be a multiple of patch_size {patch} x "
+                          f"scale_factor {scale} for the pixel shuffle")
+    vision_config = VisionConfig(
+        variant="siglip", depth=vision["num_hidden_layers"], hidden_size=vision["hidden_size"],
+        num_heads=vision["num_attention_heads"], intermediate_size=vision["intermediate_size"],
+        out_hidden_size=text.hidden_size, patch_size=patch, temporal_patch_size=1,
+        spatial_merge_size=scale, in_channels=vision["num_channels"], hidden_act=vision["hidden_act"])
+    settings = Idefics3Settings(scale_factor=scale, image_size=side,
+                                vision_layer_norm_eps=float(vision["layer_norm_eps"]))
+    return ModelConfig(
+        architecture=hf.get("architectures", [_ARCHITECTURES[model_type]])[0], model_type=model_type,
+        text=text, vision=vision_config, image_token_id=hf.get("image_token_id", 128257),
+        video_token_id=-1, vision_start_token_id=-1, vision_end_token_id=-1, eos_token_ids=eos,
+        path=path, checkpoint_dtype=stored_dtype, checkpoint_quantization=quantization,
+        family_config=settings)
+
+
+def _preset(model_type: str, text: dict, vision: dict, scale: int, ids: dict) -> dict:
+    text = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": text.pop("theta")},
+            "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"], **text}
+    vision = {"model_type": f"{model_type}_vision", **_VISION_DEFAULTS, **vision}
+    return {"architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+            "text_config": text, "vision_config": vision, "scale_factor": scale,
+            "image_token_id": ids["image"], "tie_word_embeddings": text["tie_word_embeddings"],
+            "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]}
+
+
+def idefics3_presets(ids: dict) -> dict[str, dict]:
+    """HF config dicts of the Idefics3 / SmolVLM presets; ids: the tiny tokenizer's
+    bos / eos / pad / image token ids."""
+    def llama(vocab, hidden, layers, heads, kv_heads, ffn, theta, max_positions, tied) -> dict:
+        return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
+                "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": ffn,
+                "theta": theta, "max_position_embeddings": max_positions, "tie_word_embeddings": tied}
+
+    # 64px tiles of 8px patches, scale 2: 16 tokens per tile.
+    tiny_vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 2, "image_size": 64, "patch_size": 8}
+    # HuggingFaceTB/SmolVLM-256M-Instruct's shapes (512px tiles, 64 tokens each).
+    smolvlm_256m_vision = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                           "num_attention_heads": 12, "image_size": 512, "patch_size": 16}
+    return {
+        "tiny-idefics3": _preset("idefics3", llama(512, 64, 2, 4, 2, 128, 10000.0, 4096, False),
+                                 tiny_vision, 2, ids),
+        "tiny-smolvlm": _preset("smolvlm", llama(512, 64, 2, 4, 2, 128, 10000.0, 4096, True),
+                                tiny_vision, 2, ids),
+        "smolvlm-256m": _preset("smolvlm", llama(49280, 576, 30, 9, 3, 1536, 100000.0, 8192, False),
+                                smolvlm_256m_vision, 4, ids),
+    }

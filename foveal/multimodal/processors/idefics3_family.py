@@ -1,0 +1,137 @@
+"""The Idefics3 / SmolVLM family as a `ProcessorFamily`: its image processor,
+its mm_processor_kwargs, placeholder expansion with the tokenizer (tile
+markers), the planner's arithmetic (the tile count is the dial), and the
+files a tiny offline checkpoint ships. Videos (SmolVLM's frame prompts) are
+refused with a clear error."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from foveal.errors import InvalidRequestError
+from foveal.multimodal.budget import Geometry
+from foveal.multimodal.media.video import VideoSampling
+from foveal.multimodal.processors.family import ProcessorFamily
+from foveal.multimodal.processors.idefics3 import OVERRIDE_KEYS, Idefics3ImageProcessor, idefics3_expander
+
+
+class Idefics3NoVideoProcessor:
+    """Videos are not supported for Idefics3 / SmolVLM: any video, or a video option, is refused."""
+
+    sampling = VideoSampling()
+
+    @classmethod
+    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "Idefics3NoVideoProcessor":
+        return cls().with_overrides(overrides or {})
+
+    def with_overrides(self, overrides: dict) -> "Idefics3NoVideoProcessor":
+        if overrides:
+            raise InvalidRequestError(f"mm_processor_kwargs {sorted(overrides)} are for videos; "
+                                      "Foveal runs Idefics3 / SmolVLM on images only")
+        return self
+
+    def with_max_pixels(self, max_pixels: int) -> "Idefics3NoVideoProcessor":
+        return self
+
+    def process(self, video) -> None:
+        raise InvalidRequestError("Foveal runs Idefics3 / SmolVLM on images only; send video frames "
+                                  "as images")
+
+
+@dataclass(frozen=True)
+class Idefics3Geometry(Geometry):
+    """Tokens through the processor's own rule: (tiles + 1) * image_seq_len, the tiles
+    those of the longest edge max_pixels allows."""
+
+    processor: Idefics3ImageProcessor | None = None
+
+    def frame_tokens(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+        if min(width, height) <= 0:
+            return 0
+        return self._at(max_pixels).num_tokens_for_size(width, height)
+
+    def resized_size(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        _, _, resized_h, resized_w = self._at(max_pixels).grid(width, height)
+        return resized_h, resized_w
+
+    def _at(self, max_pixels: int) -> Idefics3ImageProcessor:
+        return self.processor.with_overrides({"max_pixels": max(max_pixels, self.processor.min_pixels)})
+
+
+def planner_geometry(image_processor: Idefics3ImageProcessor, video_processor: Any) -> Idefics3Geometry:
+    # patch_size: pixels per token side, so detail "low" (a quarter of the tokens' area) asks
+    # for about a quarter of the tiles.
+    per_token = int(round((image_processor.tile_size ** 2 / image_processor.image_seq_len) ** 0.5))
+    return Idefics3Geometry(patch_size=per_token, merge_size=1, temporal_patch_size=1,
+                            image_min_pixels=image_processor.min_pixels,
+                            image_max_pixels=image_processor.max_pixels, processor=image_processor)
+
+
+def _expand_without_tokenizer(token_ids, items_by_modality):
+    raise InvalidRequestError("Idefics3 placeholder expansion needs the tokenizer "
+                              "(ProcessorFamily.expander(tokenizer))")
+
+
+IDEFICS3 = ProcessorFamily(
+    name="idefics3",
+    image_processor_class=Idefics3ImageProcessor,
+    video_processor_class=Idefics3NoVideoProcessor,
+    image_override_keys=OVERRIDE_KEYS,
+    video_override_keys=(),
+    expand_placeholders=_expand_without_tokenizer,
+    planner_geometry=planner_geometry,
+    text_expander=idefics3_expander,
+)
+
+# The Idefics3 / SmolVLM "User:<image>...<end_of_utterance>\nAssistant:" layout with the tiny
+# tokenizer's specials: <|endoftext|> for <|begin_of_text|>, <|im_end|> for <end_of_utterance>,
+# <|image_pad|> for <image>.
+IDEFICS3_TINY_CHAT_TEMPLATE = (
+    "{{ '<|endoftext|>' }}"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}"
+    "{% set first = message['content'][0] %}"
+    "{% if first['type'] == 'image' or 'image' in first or 'image_url' in first %}{{ ':' }}"
+    "{% else %}{{ ': ' }}{% endif %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}{{ '<|image_pad|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+# Tiny checkpoints' stand-ins for the marker tokens (special tokens of the tiny tokenizer).
+TINY_MARKERS = {"image_token": "<|image_pad|>", "fake_image_token": "<|vision_start|>",
+                "global_image_token": "<|vision_end|>"}
+
+
+def preprocessor_config(hf_config: dict) -> dict:
+    """A preprocessor_config.json body for a tiny / dummy checkpoint of this config.json
+    (longest edge: 2 tiles for tiny towers, 4 as the hub checkpoints for real ones)."""
+    side = (hf_config.get("vision_config") or {}).get("image_size", 364)
+    tiles_per_side = 2 if side < 256 else 4
+    image_processor = ("SmolVLMImageProcessor" if hf_config.get("model_type") == "smolvlm"
+                       else "Idefics3ImageProcessor")
+    return {"image_processor_type": image_processor, "do_convert_rgb": True, "do_resize": True,
+            "size": {"longest_edge": side * tiles_per_side}, "max_image_size": {"longest_edge": side},
+            "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_image_splitting": True,
+            "do_pad": True, **TINY_MARKERS}
+
+
+def write_checkpoint_files(folder: Path, hf_config: dict) -> None:
+    """The preprocessor config and the chat template of a tiny offline checkpoint."""
+    def write(name: str, body: dict) -> None:
+        (folder / name).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+
+    write("preprocessor_config.json", preprocessor_config(hf_config))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    write("tokenizer_config.json", {**tokenizer_config, "chat_template": IDEFICS3_TINY_CHAT_TEMPLATE})
+    (folder / "chat_template.jinja").write_text(IDEFICS3_TINY_CHAT_TEMPLATE, encoding="utf-8")
