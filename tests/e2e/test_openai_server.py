@@ -73,7 +73,7 @@ def serving(engine, model_dir: str, media_root: str | None = None, api_key: str 
             security: SecurityConfig | None = None, media: MediaFetchConfig | None = None):
     """A live server over `engine` (several apps may share one engine). Media may come
     from 127.0.0.1, where the tests' media servers listen, unless `media` says otherwise."""
-    media = media or MediaFetchConfig(timeout_s=0.5, max_bytes=200_000,
+    media = media or MediaFetchConfig(timeout_s=1.5, max_bytes=200_000,
                                       allowed_local_media_path=media_root,
                                       allowed_media_domains=("127.0.0.1",))
     security = security or SecurityConfig(api_keys=(api_key,) if api_key else ())
