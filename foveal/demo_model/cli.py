@@ -10,8 +10,8 @@ _TASK_NAMES = "shapes, count, position, read, compare, motion"
 def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
-    names = ("vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch", "char_weight",
-             "vision_lr", "lr", "joint_lr", "seed", "eval_every")
+    names = ("read_steps", "vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch",
+             "char_weight", "vision_lr", "lr", "joint_lr", "seed", "eval_every")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)
@@ -34,6 +34,9 @@ def register(subparsers) -> None:
                     f"synthetic tasks ({_TASK_NAMES}). Rerun the same command to resume from "
                     "OUT/train_state.pt. Writes OUT/model, an HF checkpoint folder.")
     train.add_argument("out", help="working folder (state, logs, the final OUT/model)")
+    train.add_argument("--read-steps", type=int,
+                       help="stage 0: steps training the vision tower on pages of text, characters "
+                            "only (default 0: none)")
     train.add_argument("--vision-steps", type=int,
                        help="stage 1: steps training the vision tower on dense per-token targets "
                             "(default 1800)")

@@ -41,13 +41,18 @@ MIN_PIXELS = 56 * 56
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Two stages. Stage 1 (`vision_steps`): the vision tower alone learns the
-    dense per-token targets (VisualTokenProbe). Stage 2 (`steps`): the tower is
+    """Two stages, with optional ones before (0) and after (3). Stage 1
+    (`vision_steps`): the vision tower alone learns the dense per-token targets
+    (VisualTokenProbe). Stage 2 (`steps`): the tower is
     frozen and the text decoder learns to answer. Trained jointly from scratch,
     the decoder stays on the answer prior while the tower's features move; on a
     frozen tower it learns the same reads in a few hundred steps
     (docs/benchmarks.md, "Demo model", "Training")."""
 
+    # Stage 0 (optional, `read_steps`): the tower learns the characters alone, on pages of
+    # text (batch_size pages per step, the character head's loss only), before stage 1
+    # adds the other heads, whose losses otherwise drown it (docs/benchmarks.md, "Reading").
+    read_steps: int = 0
     vision_steps: int = 1800
     steps: int = 2400
     # Stage 3 (optional): everything but the probe trains on the answers at a small lr,
@@ -73,14 +78,23 @@ class TrainConfig:
     eval_samples: int = 120
     bf16: bool | None = None  # None: when the CPU has native bf16
 
+    def spans(self) -> dict[int, tuple[int, int]]:
+        """Stage -> its [first, end) steps, for the stages that run."""
+        out, start = {}, 0
+        for stage, length in enumerate((self.read_steps, self.vision_steps, self.steps,
+                                        self.joint_steps)):
+            if length:
+                out[stage] = (start, start + length)
+                start += length
+        return out
+
     @property
     def total_steps(self) -> int:
-        return self.vision_steps + self.steps + self.joint_steps
+        return self.read_steps + self.vision_steps + self.steps + self.joint_steps
 
     def stage_of(self, step: int) -> int:
-        if step < self.vision_steps:
-            return 1
-        return 3 if self.joint_steps and step >= self.vision_steps + self.steps else 2
+        spans = self.spans()
+        return next((stage for stage, (_, end) in spans.items() if step < end), max(spans))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -143,9 +157,8 @@ def build_hf_model(hf_config: dict, seed: int):
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Warmup then cosine decay to min_lr_ratio, separately in each stage."""
     stage = cfg.stage_of(step)
-    peak, length, start = {1: (cfg.vision_lr, cfg.vision_steps, 0),
-                           2: (cfg.lr, cfg.steps, cfg.vision_steps),
-                           3: (cfg.joint_lr, cfg.joint_steps, cfg.vision_steps + cfg.steps)}[stage]
+    start, end = cfg.spans()[stage]
+    peak, length = (cfg.vision_lr, cfg.vision_lr, cfg.lr, cfg.joint_lr)[stage], end - start
     step -= start
     warmup = min(cfg.warmup, max(1, length // 2))
     if step < warmup:
@@ -224,14 +237,15 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         logger.info("resuming at step %d (%.0f s trained so far)", step, elapsed)
     params = sum(p.numel() for p in model.parameters())
-    logger.info("demo model: %.2fM parameters, batch %d, %d vision + %d decoder steps, bf16 autocast %s",
-                params / 1e6, cfg.batch_size, cfg.vision_steps, cfg.steps, "on" if bf16 else "off")
+    logger.info("demo model: %.2fM parameters, batch %d, %d reading + %d vision + %d decoder steps, "
+                "bf16 autocast %s", params / 1e6, cfg.batch_size, cfg.read_steps, cfg.vision_steps,
+                cfg.steps, "on" if bf16 else "off")
     augment = Augment()
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train-demo", dynamic_ncols=True)
     loss_ema = history[-1]["loss"] if history else None
     stage = None
     while step < cfg.total_steps:
-        vision_stage = step < cfg.vision_steps
+        vision_stage = cfg.stage_of(step) <= 1  # the tower alone, through the probe
         if cfg.stage_of(step) != stage:
             stage = cfg.stage_of(step)
             _set_stage(model, probe, stage)
@@ -239,9 +253,11 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         rng = random.Random(f"augment:{cfg.seed}:{step}")
         tasks = rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS], k=cfg.batch_size)
         samples = [make_sample("train", step * cfg.batch_size + i, task=task)
-                   for i, task in enumerate(tasks)]
+                   for i, task in enumerate(tasks)] if stage else []
         if vision_stage:
-            samples += [make_page(step * cfg.pages_per_batch + i) for i in range(cfg.pages_per_batch)]
+            pages, first = cfg.pages_per_batch if stage else cfg.batch_size, step * (
+                cfg.batch_size + cfg.pages_per_batch)
+            samples += [make_page(first + i) for i in range(pages)]
         encoded = [encoder.encode(s, rng, augment) for s in samples]
         batch = collate(encoded, pad_id=0)
         labels = batch.pop("labels")
@@ -249,7 +265,10 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
             group["lr"] = lr_at(step, cfg)
         merged.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            if vision_stage:
+            if stage == 0:
+                _run_vision_tower(model, batch)
+                loss = probe.char_loss(torch.cat(merged).float(), batch_char_targets(encoded))
+            elif vision_stage:
                 media = _run_vision_tower(model, batch)
                 loss = probe.loss(merged, [batch[k] for k, _ in media], batch_shape_targets(encoded),
                                   [batch[g] for _, g in media], batch_scene_targets(encoded),
@@ -263,14 +282,13 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         optimizer.step()
         step += 1
         elapsed += time.perf_counter() - started
-        if step in (cfg.vision_steps + 1, cfg.vision_steps + cfg.steps + 1) or loss_ema is None:
+        if step - 1 in [start for start, _ in cfg.spans().values()] or loss_ema is None:
             loss_ema = loss.item()  # a new stage, a new loss
         loss_ema = 0.95 * loss_ema + 0.05 * loss.item()
         bar.update(1)
         bar.set_postfix(stage=stage, loss=f"{loss_ema:.3f}", lr=f"{lr_at(step, cfg):.1e}")
         record = {"step": step, "loss": loss_ema, "elapsed": elapsed}
-        if step % cfg.eval_every == 0 or step in (cfg.vision_steps, cfg.vision_steps + cfg.steps,
-                                                  cfg.total_steps):
+        if step % cfg.eval_every == 0 or step in [end for _, end in cfg.spans().values()]:
             if vision_stage:
                 record["probe"] = probe_accuracy(model, probe, encoder, cfg.eval_samples, bf16)
                 scores = record["probe"]
@@ -287,13 +305,13 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
 
 
 def _set_stage(model, probe, stage: int) -> None:
-    """Stage 1 trains the vision tower and the probe; stage 2 the rest; stage 3 the
-    whole model (not the probe)."""
+    """Stages 0 and 1 train the vision tower and the probe; stage 2 the rest; stage 3
+    the whole model (not the probe)."""
     for name, param in model.named_parameters():
         visual = "visual" in name.split(".")[:2]
-        param.requires_grad_(stage == 3 or visual == (stage == 1))
+        param.requires_grad_(stage == 3 or visual == (stage <= 1))
     for param in probe.parameters():
-        param.requires_grad_(stage == 1)
+        param.requires_grad_(stage <= 1)
 
 
 def _run_vision_tower(model, batch: dict) -> list[tuple[str, str]]:

@@ -1,6 +1,8 @@
 """The demo model's reading targets: pages of text for stage 1, and the
 per-token character targets (the characters whose centres fall in each visual
 token's cell, left to right) that both pages and `read` samples give the probe."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -116,3 +118,31 @@ def test_the_character_loss_counts_only_with_a_weight():
     assert torch.allclose(probe.loss(features, pixels, shapes, grids, scenes, chars), base)
     weighted = probe.loss(features, pixels, shapes, grids, scenes, chars, char_weight=2.0)
     assert torch.allclose(weighted, base + 2.0 * probe.char_loss(features[0], chars))
+
+
+def test_stage_0_comes_first_with_its_own_schedule():
+    from foveal.demo_model.train import TrainConfig, lr_at
+
+    cfg = TrainConfig(read_steps=20, vision_steps=50, steps=100, warmup=10, vision_lr=2e-3, lr=1e-3,
+                      min_lr_ratio=0.1)
+    assert cfg.spans() == {0: (0, 20), 1: (20, 70), 2: (70, 170)} and cfg.total_steps == 170
+    assert [cfg.stage_of(s) for s in (0, 19, 20, 69, 70, 169)] == [0, 0, 1, 1, 2, 2]
+    assert lr_at(0, cfg) == pytest.approx(2e-4) and lr_at(9, cfg) == pytest.approx(2e-3)
+    assert lr_at(19, cfg) == pytest.approx(2e-4, rel=0.25) and lr_at(19, cfg) < lr_at(10, cfg)
+    assert lr_at(20, cfg) == pytest.approx(2e-4) and lr_at(70, cfg) == pytest.approx(1e-4)
+    assert TrainConfig(vision_steps=50, steps=100).spans() == {1: (0, 50), 2: (50, 150)}
+
+
+def test_a_stage_0_step_reads_pages_and_moves_only_the_tower(tmp_path):
+    from foveal.demo_model.train import TrainConfig, train
+
+    cfg = TrainConfig(read_steps=1, vision_steps=0, steps=0, batch_size=2, warmup=1,
+                      checkpoint_every=1, eval_every=1, eval_samples=6, bf16=False)
+    train(tmp_path, cfg)
+    state = torch.load(tmp_path / "train_state.pt", weights_only=False)
+    assert state["step"] == 1 and "chars" in state["history"][0]["probe"]
+    from foveal.demo_model.train import build_hf_model
+
+    initial = build_hf_model(json.loads((tmp_path / "scaffold" / "config.json").read_text()), seed=0)
+    changed = {k for k, v in initial.state_dict().items() if not torch.equal(v, state["model"][k])}
+    assert changed and all(".visual." in f".{k}" for k in changed)
