@@ -2,8 +2,8 @@
 way a transformers user serves it offline — static batches through
 `model.generate()`, left padding, greedy decoding.
 
-The only module in foveal/ that imports transformers, and only when a baseline
-runs. Per-request times come from a logits processor that stamps every decode
+With `hf_families` (each family's transformers side), the only code in foveal/
+that imports transformers, and only when a baseline runs. Per-request times come from a logits processor that stamps every decode
 step: its first call ends the prefill (first token), call k emits token k.
 """
 from __future__ import annotations
@@ -15,16 +15,13 @@ from typing import Sequence
 
 import torch
 
+from foveal.bench.hf_families import HF_FAMILIES, HFFamily
 from foveal.bench.report import RequestRecord, ThroughputResult
 from foveal.bench.workload import BenchRequest, PromptVocab
 from foveal.errors import CheckpointError, FovealError
 
-# config.json model_type -> transformers class name
-HF_MODEL_CLASSES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-}
-
+# Enough images per prompt for any workload; the bench's own engine limits apply to Foveal.
+_EXPANSION_IMAGE_LIMIT = 1024
 
 class _StepClock:
     """A logits processor that records when each generated token is chosen."""
@@ -44,26 +41,34 @@ class HFBaseline:
 
     def __init__(self, model_dir: str | Path, device: str = "cpu",
                  dtype: torch.dtype = torch.float32,
-                 mm_processor_kwargs: dict | None = None) -> None:
+                 mm_processor_kwargs: dict | None = None, max_model_len: int | None = None) -> None:
         import transformers
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil)
 
         self.model_dir = Path(model_dir)
-        model_class = getattr(transformers, _model_class_name(self.model_dir))
+        self.family = _family(self.model_dir)
+        model_class = getattr(transformers, self.family.model_class)
         self.model = model_class.from_pretrained(self.model_dir, dtype=dtype).to(device).eval()
         self.device = device
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(
-            self.model_dir, **(mm_processor_kwargs or {}))
+        self.image_processor = self.family.load_image_processor(self.model_dir, mm_processor_kwargs)
         self.vocab = PromptVocab.from_model_dir(self.model_dir)
+        self._input_processor = _foveal_input_processor(self.model_dir, mm_processor_kwargs,
+                                                        max_model_len)
+        self._expanded: dict[int, tuple[BenchRequest, list[int]]] = {}
         # Padding sits under attention_mask = 0; any embeddable id will do.
         self.pad_token_id = self.vocab.text_token_ids[0]
 
+    def prepare(self, requests: Sequence[BenchRequest]) -> None:
+        """Expand every request's placeholders now, outside the timed region."""
+        for request in requests:
+            self._expand(request)
+
     def warmup(self, request: BenchRequest) -> None:
+        self.prepare([request])
         self._generate([request], time.perf_counter())
 
     def run(self, requests: Sequence[BenchRequest], batch_size: int) -> ThroughputResult:
         """All requests arrive at the start; they run in arrival order, batch_size at a time."""
+        self.prepare(requests)
         start = time.perf_counter()
         records: list[RequestRecord] = []
         generated_tokens = 0
@@ -108,51 +113,52 @@ class HFBaseline:
 
     def _batch_inputs(self, batch: Sequence[BenchRequest]) -> tuple[dict, list[int]]:
         """Left-padded generate() kwargs for a batch, and each prompt's unpadded length."""
-        rows, pixel_values, grids = [], [], []
-        for request in batch:
-            ids, request_pixels, request_grids = self._expand(request)
-            rows.append(ids)
-            pixel_values += request_pixels
-            grids += request_grids
+        rows = [self._expand(request) for request in batch]
         width = max(len(ids) for ids in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for row, ids in enumerate(rows):
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
-        # 1 on image tokens, 0 on text and padding; without it transformers
-        # silently falls back to 1-D positions instead of M-RoPE.
-        mm_token_type_ids = ((input_ids == self.vocab.image_pad_id) & attention_mask.bool()).int()
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
-                  "mm_token_type_ids": mm_token_type_ids}
-        if grids:
-            inputs["pixel_values"] = torch.cat(pixel_values).to(self.model.dtype)
-            inputs["image_grid_thw"] = torch.cat(grids)
+                  **self.family.image_inputs([request.images for request in batch], self.image_processor,
+                                             input_ids, attention_mask, self.vocab.image_token_id)}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         return {k: v.to(self.device) for k, v in inputs.items()}, [len(ids) for ids in rows]
 
-    def _expand(self, request: BenchRequest) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-        """Process the request's images; repeat each <|image_pad|> once per visual token."""
-        pad_id = self.vocab.image_pad_id
-        if request.prompt_token_ids.count(pad_id) != len(request.images):
-            raise FovealError(f"prompt has {request.prompt_token_ids.count(pad_id)} "
-                              f"<|image_pad|> tokens for {len(request.images)} images")
-        if not request.images:
-            return list(request.prompt_token_ids), [], []
-        processed = self.image_processor(images=list(request.images), return_tensors="pt")
-        grids = processed["image_grid_thw"]  # (num_images, 3): t, h, w in patches
-        counts = iter((grids.prod(-1) // self.image_processor.merge_size ** 2).tolist())
-        ids: list[int] = []
-        for token in request.prompt_token_ids:
-            ids.extend([pad_id] * next(counts) if token == pad_id else [token])
-        return ids, [processed["pixel_values"]], [grids]
+    def _expand(self, request: BenchRequest) -> list[int]:
+        """The prompt with each image's placeholder expanded, as Foveal expands it."""
+        known = self._expanded.get(id(request))
+        if known is None or known[0] is not request:
+            from foveal.sampling_params import SamplingParams
+
+            processed = self._input_processor.process(
+                f"hf-{len(self._expanded)}", request.to_prompt(), SamplingParams(max_tokens=1))
+            known = self._expanded[id(request)] = (request, processed.request.prompt_token_ids)
+        return known[1]
 
 
-def _model_class_name(model_dir: Path) -> str:
+def _foveal_input_processor(model_dir: Path, mm_processor_kwargs: dict | None,
+                            max_model_len: int | None):
+    from foveal.engine_args import EngineArgs
+    from foveal.input_processor.processor import InputProcessor
+    from foveal.tokenizer import Tokenizer
+
+    kwargs = {"limit_mm_per_prompt": {"image": _EXPANSION_IMAGE_LIMIT},
+              "mm_processor_kwargs": dict(mm_processor_kwargs or {})}
+    if max_model_len:
+        kwargs["max_model_len"] = max_model_len
+    config = EngineArgs.from_kwargs(str(model_dir), **kwargs).create_engine_config()
+    return InputProcessor(config, Tokenizer.from_pretrained(str(model_dir)))
+
+
+def _family(model_dir: Path) -> HFFamily:
     try:
         model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
     except FileNotFoundError:
         raise CheckpointError(f"{model_dir} has no config.json") from None
-    if model_type not in HF_MODEL_CLASSES:
+    if model_type not in HF_FAMILIES:
         raise CheckpointError(f"the transformers baseline supports model_type "
-                              f"{sorted(HF_MODEL_CLASSES)}, not {model_type!r}")
-    return HF_MODEL_CLASSES[model_type]
+                              f"{sorted(HF_FAMILIES)}, not {model_type!r}")
+    return HF_FAMILIES[model_type]

@@ -86,7 +86,7 @@ def run_hf(model_dir: Path, requests: Sequence[BenchRequest], warmup: BenchReque
 
     config = EngineArgs.from_kwargs(str(model_dir), **engine_kwargs).create_engine_config()
     baseline = HFBaseline(model_dir, config.device, torch_dtype(config.dtype),
-                          config.multimodal.mm_processor_kwargs)
+                          config.multimodal.mm_processor_kwargs, config.scheduler.max_model_len)
     try:
         baseline.warmup(warmup)
         return [baseline.run(requests, batch_size) for batch_size in batch_sizes]

@@ -123,8 +123,8 @@ def _prompt_token_ids(model_dir: Path) -> list[int]:
     if video_pad_id is None:
         raise CheckpointError("the tokenizer has no <|video_pad|> token; "
                               "is this a Qwen2-VL checkpoint?")
-    return [vocab.vision_start_id, video_pad_id, vocab.vision_end_id,
-            *vocab.text_token_ids[:_PROMPT_TEXT_TOKENS]]
+    video_span = [video_pad_id if t == vocab.image_token_id else t for t in vocab.image_prompt_ids]
+    return [*video_span, *vocab.text_token_ids[:_PROMPT_TEXT_TOKENS]]
 
 
 def _prompt(token_ids: list[int], clip: Path, fps: float, max_pixels: int) -> dict:

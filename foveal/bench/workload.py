@@ -3,9 +3,10 @@
 Each request holds K random-content RGB images whose sides vary around the
 requested size (real traffic is never one resolution), L random text tokens
 drawn from the tokenizer's ordinary vocabulary, and an output length drawn
-uniformly around the requested one. Prompts are token ids: one
-`<|vision_start|><|image_pad|><|vision_end|>` per image, then the text; the
-engine expands each `<|image_pad|>` to the image's visual-token count.
+uniformly around the requested one. Prompts are token ids: each image's
+placeholder as the model family's chat template writes it (Qwen-VL's
+`<|vision_start|><|image_pad|><|vision_end|>`, LLaVA's `<image>`, Gemma 3's
+`<start_of_image>`), then the text; the engine expands each placeholder.
 """
 from __future__ import annotations
 
@@ -27,32 +28,27 @@ WARMUP_IMAGE_SIDE = 56
 class PromptVocab:
     """The token ids a synthetic prompt is built from."""
 
-    vision_start_id: int
-    image_pad_id: int
-    vision_end_id: int
+    image_prompt_ids: tuple[int, ...]  # one image before expansion, as a chat template writes it
+    image_token_id: int  # the token expansion repeats once per visual token
     text_token_ids: tuple[int, ...]  # ordinary (non-special) tokens the model can embed
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "PromptVocab":
-        """The checkpoint's tokenizer, minus special tokens and ids the model can't embed."""
+        """The checkpoint's image placeholder and its tokenizer's ordinary tokens
+        (minus special tokens and ids the model can't embed)."""
+        from foveal.loader.hf_config import model_config_from_hf
+        from foveal.multimodal.processors import get_processor_family
         from foveal.tokenizer import Tokenizer
 
         model_dir = Path(model_dir)
+        model_config = model_config_from_hf(str(model_dir))
         tokenizer = Tokenizer.from_pretrained(model_dir)
         special_ids = set(tokenizer.all_special_ids)
         embeddable = min(tokenizer.vocab_size, _text_vocab_size(model_dir))
         text_ids = tuple(i for i in range(embeddable) if i not in special_ids)
-        return cls(vision_start_id=_special_id(tokenizer, "<|vision_start|>"),
-                   image_pad_id=_special_id(tokenizer, "<|image_pad|>"),
-                   vision_end_id=_special_id(tokenizer, "<|vision_end|>"),
-                   text_token_ids=text_ids)
-
-
-def _special_id(tokenizer, token: str) -> int:
-    token_id = tokenizer.token_to_id(token)
-    if token_id is None:
-        raise CheckpointError(f"the tokenizer has no {token} token; is this a Qwen2-VL checkpoint?")
-    return token_id
+        family = get_processor_family(model_config.model_type)
+        return cls(image_prompt_ids=tuple(family.prompt_ids_for_image(model_config)),
+                   image_token_id=model_config.image_token_id, text_token_ids=text_ids)
 
 
 def _text_vocab_size(model_dir: Path) -> int:
@@ -105,7 +101,7 @@ class WorkloadSpec:
 
 @dataclass
 class BenchRequest:
-    prompt_token_ids: list[int]  # placeholders not yet expanded: one <|image_pad|> per image
+    prompt_token_ids: list[int]  # placeholders not yet expanded: one per image
     images: list[Image.Image]
     output_len: int
 
@@ -129,7 +125,7 @@ def build_workload(spec: WorkloadSpec, vocab: PromptVocab) -> list[BenchRequest]
         raise CheckpointError("the tokenizer has no ordinary tokens to build text from")
     rng = np.random.default_rng(spec.seed)
     text_ids = np.asarray(vocab.text_token_ids, dtype=np.int64)
-    image_prefix = [vocab.vision_start_id, vocab.image_pad_id, vocab.vision_end_id]
+    image_prefix = list(vocab.image_prompt_ids)
     requests = []
     for _ in range(spec.num_prompts):
         images = [Image.fromarray(pixels) for pixels in draw_images(spec, rng)]
@@ -159,8 +155,8 @@ def warmup_request(vocab: PromptVocab) -> BenchRequest:
     """A tiny request run before timing; its flat gray image shares no cache entry
     with the workload's random ones."""
     image = Image.new("RGB", (WARMUP_IMAGE_SIDE, WARMUP_IMAGE_SIDE), (128, 128, 128))
-    prompt = [vocab.vision_start_id, vocab.image_pad_id, vocab.vision_end_id]
-    return BenchRequest(prompt + list(vocab.text_token_ids[:4]), [image], output_len=2)
+    return BenchRequest(list(vocab.image_prompt_ids) + list(vocab.text_token_ids[:4]), [image],
+                        output_len=2)
 
 
 def workload_summary(spec: WorkloadSpec) -> dict:

@@ -11,7 +11,7 @@ from foveal.bench.throughput import run_foveal
 from foveal.bench.workload import PromptVocab, WorkloadSpec, build_workload, warmup_request
 from foveal.errors import FovealError
 
-VOCAB = PromptVocab(9, 12, 10, tuple(range(14, 512)))
+VOCAB = PromptVocab((9, 12, 10), 12, tuple(range(14, 512)))
 
 
 class StandInLLM:
@@ -72,15 +72,15 @@ def test_fewer_tokens_than_requested_is_an_error(stand_in, monkeypatch):
         run_foveal("/ckpt", workload(), warmup_request(VOCAB), {})
 
 
-
 def test_cli_runs_workload_and_writes_json(stand_in, tmp_path, capsys):
     import json
 
     from foveal.entrypoints.cli import main
+    from foveal.loader.presets import get_preset
     from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
 
     write_tiny_tokenizer(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    (tmp_path / "config.json").write_text(json.dumps(get_preset("tiny-qwen2-vl")))
     out = tmp_path / "report.json"
     rc = main(["bench", "throughput", "--model", str(tmp_path), "--num-prompts", "4",
                "--images-per-prompt", "9", "--image-size", "40x30", "--output-len", "3",

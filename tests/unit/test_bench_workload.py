@@ -12,7 +12,7 @@ from foveal.bench.workload import (PromptVocab, WorkloadSpec, build_workload,
                                    parse_image_size, warmup_request, workload_summary)
 from foveal.errors import CheckpointError, ConfigError
 
-VOCAB = PromptVocab(vision_start_id=9, image_pad_id=12, vision_end_id=10,
+VOCAB = PromptVocab(image_prompt_ids=(9, 12, 10), image_token_id=12,
                     text_token_ids=tuple(range(14, 512)))
 
 
@@ -112,7 +112,7 @@ def test_parse_image_size():
 
 
 def test_text_without_vocabulary_is_a_checkpoint_error():
-    empty = PromptVocab(9, 12, 10, text_token_ids=())
+    empty = PromptVocab((9, 12, 10), 12, text_token_ids=())
     with pytest.raises(CheckpointError):
         build_workload(spec(), empty)
 
@@ -130,18 +130,42 @@ def test_workload_summary_reports_bounds():
     assert summary["output_len_bounds"] == [8, 12]
 
 
-def test_prompt_vocab_from_tiny_tokenizer(tmp_path):
+def _scaffold(folder, preset: str) -> dict:
+    """A checkpoint folder without weights: the preset's config.json and the tiny tokenizer."""
     import json
 
+    from foveal.loader.presets import get_preset
     from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
 
-    special = write_tiny_tokenizer(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 400}}))
+    config = get_preset(preset)
+    special = write_tiny_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def test_prompt_vocab_from_a_qwen2_vl_checkpoint(tmp_path):
+    config = _scaffold(tmp_path, "tiny-qwen2-vl")
     vocab = PromptVocab.from_model_dir(tmp_path)
-    assert (vocab.vision_start_id, vocab.image_pad_id, vocab.vision_end_id) == (
-        special["<|vision_start|>"], special["<|image_pad|>"], special["<|vision_end|>"])
-    assert not set(vocab.text_token_ids) & set(special.values())
-    assert max(vocab.text_token_ids) == 399  # capped by the model's embedding size
+    assert vocab.image_prompt_ids == (config["vision_start_token_id"], config["image_token_id"],
+                                      config["vision_end_token_id"])
+    assert vocab.image_token_id == config["image_token_id"]
+    assert not set(vocab.text_token_ids) & set(vocab.image_prompt_ids)
+    assert max(vocab.text_token_ids) < config.get("text_config", config)["vocab_size"]
+
+
+@pytest.mark.parametrize("preset, placeholder", [
+    ("tiny-llava-next", "image_token_index"), ("tiny-smolvlm", "image_token_id"),
+    ("tiny-gemma3", "boi_token_index"), ("tiny-qwen3-vl", None)])
+def test_each_family_writes_its_own_image_placeholder(tmp_path, preset, placeholder):
+    config = _scaffold(tmp_path, preset)
+    vocab = PromptVocab.from_model_dir(tmp_path)
+    if placeholder is None:  # Qwen3-VL: the Qwen-VL vision span
+        assert vocab.image_prompt_ids == (config["vision_start_token_id"], config["image_token_id"],
+                                          config["vision_end_token_id"])
+    else:
+        assert vocab.image_prompt_ids == (config[placeholder],)
+    key = "image_token_index" if "image_token_index" in config else "image_token_id"
+    assert vocab.image_token_id == config[key]
 
 
 def test_percentile_matches_numpy_linear():

@@ -85,6 +85,16 @@ class ProcessorFamily:
     # Families whose expansion renders text (e.g. video timestamps) need the
     # tokenizer: tokenizer -> the expander used instead of expand_placeholders.
     text_expander: Callable[[Any], PlaceholderExpander] | None = None
+    # ModelConfig -> the token ids one image takes in a prompt before expansion
+    # (what a chat template writes per image); None: the model's image token alone.
+    image_prompt_ids: Callable[[Any], tuple[int, ...]] | None = None
+
+    def prompt_ids_for_image(self, model_config: Any) -> tuple[int, ...]:
+        """The unexpanded placeholder of one image, e.g. Qwen2-VL's
+        <|vision_start|><|image_pad|><|vision_end|>, LLaVA's <image>."""
+        if self.image_prompt_ids is not None:
+            return self.image_prompt_ids(model_config)
+        return (model_config.image_token_id,)
 
     def expander(self, tokenizer: Any) -> PlaceholderExpander:
         """The placeholder expansion the input processor runs with this tokenizer."""

@@ -79,6 +79,7 @@ GEMMA3 = ProcessorFamily(
     expand_placeholders=_expand_without_tokenizer,
     planner_geometry=planner_geometry,
     text_expander=gemma3_expander,
+    image_prompt_ids=lambda model_config: (model_config.family_config.boi_token_id,),
 )
 
 

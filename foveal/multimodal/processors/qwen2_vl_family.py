@@ -11,6 +11,12 @@ from foveal.multimodal.processors.qwen2_vl_video import OVERRIDE_KEYS as VIDEO_K
 from foveal.multimodal.processors.qwen2_vl_video import Qwen2VLVideoProcessor
 
 
+def vision_span_ids(model_config) -> tuple[int, ...]:
+    """<|vision_start|><|image_pad|><|vision_end|>: one image in a Qwen-VL prompt."""
+    return (model_config.vision_start_token_id, model_config.image_token_id,
+            model_config.vision_end_token_id)
+
+
 def planner_geometry(image_processor: Qwen2VLImageProcessor,
                      video_processor: Qwen2VLVideoProcessor) -> Geometry:
     frame = video_processor.frame
@@ -30,4 +36,5 @@ QWEN2_VL = ProcessorFamily(
     video_override_keys=tuple(VIDEO_KEYS),
     expand_placeholders=expand_mm_placeholders,
     planner_geometry=planner_geometry,
+    image_prompt_ids=vision_span_ids,
 )

@@ -10,6 +10,7 @@ from foveal.loader.chat_templates import QWEN2_VL_CHAT_TEMPLATE
 from foveal.multimodal.budget import Geometry
 from foveal.multimodal.processors.family import ProcessorFamily
 from foveal.multimodal.processors.qwen2_vl import OVERRIDE_KEYS as IMAGE_KEYS
+from foveal.multimodal.processors.qwen2_vl_family import vision_span_ids
 from foveal.multimodal.processors.qwen2_vl_video import OVERRIDE_KEYS as VIDEO_KEYS
 from foveal.multimodal.processors.qwen3_vl import (Qwen3VLImageProcessor, Qwen3VLVideoProcessor,
                                                    capped_clip_size, expand_without_tokenizer,
@@ -54,6 +55,7 @@ QWEN3_VL = ProcessorFamily(
     expand_placeholders=expand_without_tokenizer,  # images only: videos need the tokenizer
     planner_geometry=planner_geometry,
     text_expander=qwen3_vl_expander,
+    image_prompt_ids=vision_span_ids,
 )
 
 
