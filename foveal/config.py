@@ -9,6 +9,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency rescaling from the checkpoint's rope_parameters / rope_scaling.
+
+    "linear": every frequency / factor. "llama3" (Llama 3.1+): wavelengths beyond
+    original_max_position_embeddings / low_freq_factor are stretched by factor, those
+    below original / high_freq_factor are kept, the band between is interpolated.
+    """
+
+    rope_type: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
 class TextConfig:
     vocab_size: int
     hidden_size: int
@@ -24,6 +40,7 @@ class TextConfig:
     tie_word_embeddings: bool
     hidden_act: str = "silu"
     attention_bias: bool = True  # q/k/v projection bias (Qwen2: yes; Llama / Mistral: no)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,37 @@ cos/sin are computed in fp32 and the rotation is applied in fp32.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+from foveal.config import RopeScaling
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     """(rotary_dim/2,) fp32 inverse frequencies."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
     return 1.0 / (theta ** exponents)
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:
+    """inv_freq after the checkpoint's RoPE scaling (same shape, fp32)."""
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: stretch long wavelengths, keep short ones, interpolate the band between
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    long_wavelen = original / scaling.low_freq_factor
+    short_wavelen = original / scaling.high_freq_factor
+    stretched = torch.where(wavelen > long_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * stretched / scaling.factor + smooth * stretched
+    in_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
+    return torch.where(in_band, blended, stretched)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -32,11 +55,13 @@ class MRotaryEmbedding(nn.Module):
     (mrope_section, e.g. [16, 24, 24]) driven by the temporal, height and width
     position ids in turn. With 1-D positions (T,) this is standard RoPE."""
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] = ()):
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] = (),
+                 scaling: RopeScaling | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.mrope_section = list(mrope_section) or [head_dim // 2]
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
+        self.register_buffer("inv_freq", scaled_inv_freq(rope_inv_freq(head_dim, theta), scaling),
+                             persistent=False)
         # (D/2,) which position axis drives each frequency: 0,0,..,1,1,..,2,2
         axis = [i % 3 for i, size in enumerate(self.mrope_section) for _ in range(size)]
         self.register_buffer("freq_axis", torch.tensor(axis, dtype=torch.long), persistent=False)

@@ -2,8 +2,8 @@
 
 Both families share one layout: a SigLIP-style `vision_config` (no class
 token, post-LN), `scale_factor` (the connector's pixel shuffle) and a Llama
-`text_config` (read by `llava_config.decoder_text_config`, so unsupported RoPE
-scaling is a ConfigError). What only these families have is `Idefics3Settings`
+`text_config` (read by `llava_config.decoder_text_config`: default, linear or
+llama3 RoPE; other scalings are a ConfigError). What only these families have is `Idefics3Settings`
 (`ModelConfig.family_config`).
 """
 from __future__ import annotations
@@ -67,7 +67,8 @@ def idefics3_model_config(hf: dict, path: str | None, eos: tuple[int, ...], stor
 
 def _preset(model_type: str, text: dict, vision: dict, scale: int, ids: dict) -> dict:
     text = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
-            "rope_parameters": {"rope_type": "default", "rope_theta": text.pop("theta")},
+            "rope_parameters": {"rope_type": "default", "rope_theta": text.pop("theta"),
+                                **text.pop("rope_scaling", {})},
             "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"], **text}
     vision = {"model_type": f"{model_type}_vision", **_VISION_DEFAULTS, **vision}
     return {"architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
@@ -79,10 +80,12 @@ def _preset(model_type: str, text: dict, vision: dict, scale: int, ids: dict) ->
 def idefics3_presets(ids: dict) -> dict[str, dict]:
     """HF config dicts of the Idefics3 / SmolVLM presets; ids: the tiny tokenizer's
     bos / eos / pad / image token ids."""
-    def llama(vocab, hidden, layers, heads, kv_heads, ffn, theta, max_positions, tied) -> dict:
+    def llama(vocab, hidden, layers, heads, kv_heads, ffn, theta, max_positions, tied,
+              rope_scaling=None) -> dict:
         return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
                 "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": ffn,
-                "theta": theta, "max_position_embeddings": max_positions, "tie_word_embeddings": tied}
+                "theta": theta, "max_position_embeddings": max_positions, "tie_word_embeddings": tied,
+                "rope_scaling": rope_scaling or {}}
 
     # 64px tiles of 8px patches, scale 2: 16 tokens per tile.
     tiny_vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -90,7 +93,15 @@ def idefics3_presets(ids: dict) -> dict[str, dict]:
     # HuggingFaceTB/SmolVLM-256M-Instruct's shapes (512px tiles, 64 tokens each).
     smolvlm_256m_vision = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                            "num_attention_heads": 12, "image_size": 512, "patch_size": 16}
+    # HuggingFaceM4/Idefics3-8B-Llama3's shapes: SigLIP so400m (364px tiles, 169 tokens each)
+    # and Llama 3.1 8B with its llama3 RoPE scaling.
+    idefics3_8b_vision = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                          "num_attention_heads": 16, "image_size": 364, "patch_size": 14}
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
     return {
+        "idefics3-8b": _preset("idefics3", llama(128259, 4096, 32, 32, 8, 14336, 500000.0, 131072, False,
+                                                 llama31), idefics3_8b_vision, 2, ids),
         "tiny-idefics3": _preset("idefics3", llama(512, 64, 2, 4, 2, 128, 10000.0, 4096, False),
                                  tiny_vision, 2, ids),
         "tiny-smolvlm": _preset("smolvlm", llama(512, 64, 2, 4, 2, 128, 10000.0, 4096, True),

@@ -7,9 +7,9 @@ module only names it. Its HF config is read (torch-free, with transformers'
 defaults) by `foveal.models.llava_config.decoder_text_config`, which also
 reads Qwen2 decoders (LLaVA-OneVision: attention_bias=True).
 
-RoPE variants other than the default (llama3 / linear / dynamic / yarn
-scaling) and sliding-window attention are a ConfigError, not a silent
-approximation.
+RoPE runs plain or with linear / llama3 scaling (Llama 3.1, as in
+Idefics3-8B); other scalings (dynamic, yarn, longrope) and sliding-window
+attention are a ConfigError, not a silent approximation.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from foveal.config import CheckpointQuantization, ModelConfig, TextConfig, VisionConfig
+from foveal.config import CheckpointQuantization, ModelConfig, RopeScaling, TextConfig, VisionConfig
 from foveal.errors import ConfigError
 
 # model_type -> (image token, video token, select strategy, feature layer, tower defaults)
@@ -71,17 +71,15 @@ class LlavaSettings:
 def decoder_text_config(text: dict, tie_word_embeddings: bool = False) -> TextConfig:
     """An HF text_config dict of a Llama, Mistral or Qwen2 decoder -> TextConfig.
 
-    RoPE scaling and sliding-window attention are a ConfigError."""
+    Linear and llama3 RoPE scaling are read; other scalings (dynamic, yarn, ...) and
+    sliding-window attention are a ConfigError."""
     model_type = text.get("model_type", "llama")
     if model_type not in _DECODER_DEFAULTS:
         raise ConfigError(f"text model_type {model_type!r} is not a decoder LLaVA runs on; "
                           f"supported: {sorted(_DECODER_DEFAULTS)}")
     text = {**_DECODER_DEFAULTS[model_type], **text}  # an explicit null (sliding_window) stays null
     rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"rope_type {rope_type!r} ({model_type} text config) is not supported; "
-                          "Foveal runs LLaVA decoders with the default RoPE")
+    scaling = rope_scaling(rope, model_type)
     if text.get("use_sliding_window") or (model_type == "mistral" and text.get("sliding_window")):
         raise ConfigError(f"{model_type} sliding-window attention (sliding_window="
                           f"{text.get('sliding_window')}) is not supported; use a checkpoint without it")
@@ -95,7 +93,22 @@ def decoder_text_config(text: dict, tie_word_embeddings: bool = False) -> TextCo
         rope_theta=float(rope.get("rope_theta") or text["rope_theta"] or 10000.0),
         mrope_section=(), max_position_embeddings=text["max_position_embeddings"],
         tie_word_embeddings=bool(tie_word_embeddings or text.get("tie_word_embeddings")),
-        hidden_act=text.get("hidden_act", "silu"), attention_bias=bool(text["attention_bias"]))
+        hidden_act=text.get("hidden_act", "silu"), attention_bias=bool(text["attention_bias"]),
+        rope_scaling=scaling)
+
+
+def rope_scaling(rope: dict, model_type: str) -> RopeScaling | None:
+    """The RoPE scaling of merged rope_scaling / rope_parameters: default, linear or llama3."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ("linear", "llama3"):
+        raise ConfigError(f"rope_type {rope_type!r} ({model_type} text config) is not supported; "
+                          "supported: default, linear, llama3")
+    if rope_type == "linear":
+        return RopeScaling("linear", float(rope["factor"]))
+    return RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                       float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
 
 
 def _tower(vision: dict, text_hidden: int) -> tuple[VisionConfig, int, float]:

@@ -23,7 +23,8 @@ class Qwen2Attention(nn.Module):
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size)
-        self.rotary_emb = MRotaryEmbedding(head_dim, config.rope_theta, config.mrope_section)
+        self.rotary_emb = MRotaryEmbedding(head_dim, config.rope_theta, config.mrope_section,
+                                           config.rope_scaling)
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                               head_dim ** -0.5, layer_idx)
 

@@ -20,17 +20,18 @@ NEXT_PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]
 ONEVISION_PINPOINTS = [[56 * i, 56 * j] for i in range(1, 4) for j in range(1, 4)]
 
 
-def _text(model_type: str) -> dict:
+def _text(model_type: str, rope: dict | None = None) -> dict:
     text = dict(model_type=model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
     if model_type == "qwen2":
         text["tie_word_embeddings"] = False
     return text
 
 
-def hf_config(variant: str):
+def hf_config(variant: str, rope: dict | None = None):
+    """rope: the Llama decoder's rope_parameters (default RoPE when None)."""
     from transformers import LlavaConfig, LlavaNextConfig, LlavaOnevisionConfig
 
     common = dict(image_token_index=IMAGE_TOKEN_ID, tie_word_embeddings=False)
@@ -47,7 +48,7 @@ def hf_config(variant: str):
     if variant == "llava_next":
         return LlavaNextConfig(text_config=_text("llama"), vision_config=vision,
                                image_grid_pinpoints=NEXT_PINPOINTS, **common)
-    return LlavaConfig(text_config=_text("llama"), vision_config=vision, **common)
+    return LlavaConfig(text_config=_text("llama", rope), vision_config=vision, **common)
 
 
 def image_processor(variant: str):
@@ -66,10 +67,10 @@ def image_processor(variant: str):
                                            image_grid_pinpoints=ONEVISION_PINPOINTS)
 
 
-def hf_model(variant: str, seed: int = 0) -> torch.nn.Module:
+def hf_model(variant: str, seed: int = 0, rope: dict | None = None) -> torch.nn.Module:
     import transformers
 
-    config = hf_config(variant)
+    config = hf_config(variant, rope)
     config._attn_implementation = "sdpa"
     cls = getattr(transformers, config.architectures[0] if config.architectures else
                   {"llava": "LlavaForConditionalGeneration",
@@ -92,12 +93,12 @@ def hf_model(variant: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def write_checkpoint(variant: str, out_dir: Path) -> Path:
+def write_checkpoint(variant: str, out_dir: Path, rope: dict | None = None) -> Path:
     from transformers import GenerationConfig
 
     from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
 
-    model = hf_model(variant)
+    model = hf_model(variant, rope=rope)
     model.generation_config = GenerationConfig(eos_token_id=2, pad_token_id=0, bos_token_id=0)
     model.save_pretrained(out_dir)
     write_tiny_tokenizer(out_dir)

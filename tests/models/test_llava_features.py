@@ -122,8 +122,12 @@ def test_hub_configs_read_at_their_real_shapes():
     mistral = {**hub["text_config"], "model_type": "mistral"}  # MistralConfig's sliding_window: 4096
     with pytest.raises(ConfigError, match="sliding_window=4096"):
         model_config_from_dict({**hub, "model_type": "llava_next", "text_config": mistral})
-    with pytest.raises(ConfigError, match="rope_type 'llama3'"):
-        model_config_from_dict({**hub, "text_config": {"rope_scaling": {"rope_type": "llama3", "factor": 8}}})
+    with pytest.raises(ConfigError, match="rope_type 'yarn'"):
+        model_config_from_dict({**hub, "text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 8}}})
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    scaled = model_config_from_dict({**hub, "text_config": {"rope_scaling": llama31}}).text.rope_scaling
+    assert (scaled.rope_type, scaled.factor, scaled.original_max_position_embeddings) == ("llama3", 8.0, 8192)
 
 
 # 1000x700: NeXT picks the 672x672 canvas (2x2 tiles, 48x48 features, unpadded to 34 rows + 34

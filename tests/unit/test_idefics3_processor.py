@@ -161,6 +161,9 @@ def test_sparse_hub_config_and_preset_read():
     assert model_config_from_dict(get_preset("smolvlm-256m")).text.hidden_size == 576
     with pytest.raises(ConfigError, match="rope_type"):
         model_config_from_dict({**hub, "text_config": {**hub["text_config"],
-                                                       "rope_scaling": {"rope_type": "llama3"}}})
+                                                       "rope_scaling": {"rope_type": "dynamic"}}})
+    eight_b = model_config_from_dict(get_preset("idefics3-8b"))
+    assert eight_b.text.rope_scaling.rope_type == "llama3"
+    assert eight_b.family_config.image_seq_len(eight_b.vision.patch_size) == 169
     with pytest.raises(ConfigError, match="pixel shuffle"):
         model_config_from_dict({**hub, "scale_factor": 3})
