@@ -55,17 +55,19 @@ def _qwen(rows, processor, input_ids, mask, image_token_id) -> dict:
     return inputs
 
 
-def _llava(with_sizes: bool, one_image_each: bool) -> InputsBuilder:
+def _llava(with_sizes: bool, per_prompt: bool) -> InputsBuilder:
     def build(rows, processor, input_ids, mask, image_token_id) -> dict:
         images = _flat(rows)
         if not images:
             return {}
-        out = processor(images=images, return_tensors="pt")
+        # OneVision: images grouped by prompt; a prompt of several takes the multi-image mode
+        out = processor(images=[list(row) for row in rows if row] if per_prompt else images,
+                        return_tensors="pt")
         inputs = {"pixel_values": out["pixel_values"]}
         if with_sizes:
             inputs["image_sizes"] = out["image_sizes"]
-        if one_image_each:  # every image tiled on its own (anyres), as Foveal processes it
-            inputs["batch_num_images"] = torch.ones(len(images), dtype=torch.long)
+        if per_prompt:
+            inputs["batch_num_images"] = out["batch_num_images"]
         return inputs
     return build
 
@@ -99,11 +101,11 @@ HF_FAMILIES = {
     "qwen2_5_vl": HFFamily("Qwen2_5_VLForConditionalGeneration", _QWEN_PROCESSOR, _qwen, True),
     "qwen3_vl": HFFamily("Qwen3VLForConditionalGeneration", _QWEN_PROCESSOR, _qwen, True),
     "llava": HFFamily("LlavaForConditionalGeneration", "transformers:CLIPImageProcessorPil",
-                      _llava(with_sizes=False, one_image_each=False)),
+                      _llava(with_sizes=False, per_prompt=False)),
     "llava_next": HFFamily("LlavaNextForConditionalGeneration", _NEXT,
-                           _llava(with_sizes=True, one_image_each=False)),
+                           _llava(with_sizes=True, per_prompt=False)),
     "llava_onevision": HFFamily("LlavaOnevisionForConditionalGeneration", _ONEVISION,
-                                _llava(with_sizes=True, one_image_each=True)),
+                                _llava(with_sizes=True, per_prompt=True)),
     "gemma3": HFFamily("Gemma3ForConditionalGeneration",
                        "transformers.models.gemma3.image_processing_pil_gemma3:Gemma3ImageProcessorPil",
                        _gemma3),

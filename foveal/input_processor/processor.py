@@ -92,6 +92,7 @@ class InputProcessor:
         video_processor = self.video_processor.with_overrides(kwargs.video)
         media = self.media.load(prompt.get("multi_modal_data") or {},
                                 prompt.get("multi_modal_uuids") or {}, video_processor.sampling)
+        image_processor = self.family.image_processor_for_prompt(image_processor, len(media.images))
         plan = plan_prompt_media(media, self.family.planner_geometry(image_processor, video_processor),
                                  video_processor.sampling, kwargs.max_visual_tokens or self.max_visual_tokens)
         image_plans, video_plans = plan[:len(media.images)], plan[len(media.images):]

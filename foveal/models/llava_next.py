@@ -6,8 +6,9 @@ side x side projected features. An item's placeholder rows are the base view's
 features, then the tiles' features laid out as one (rows*side, cols*side) grid
 with the canvas padding cut away (OneVision: bilinearly shrunk to at most
 max_tiles tiles' worth), row by row, each row ended by the learned
-`image_newline` embedding. The processor (multimodal/processors/llava.py)
-counts the same rows, with the same functions.
+`image_newline` embedding. OneVision in a prompt of several images sends one
+view per image (tile grid (0, 0)): its rows, then one newline. The processor
+(multimodal/processors/llava.py) counts the same rows, with the same functions.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         """(V, side*side, hidden) -> (base rows + unpadded tile rows with newlines, hidden)."""
         base, tiles = views[0], views[1:]
         grid_rows, grid_cols = (int(x) for x in feature.data["tile_grid"])
+        if grid_rows == 0:  # OneVision's multi-image mode: one padded-square view, one newline
+            return torch.cat([base, self.image_newline.embedding.to(base.dtype)[None]])
         height, width = (int(x) for x in feature.data["image_size"])
         side, hidden = self.side, views.shape[-1]
         grid = tiles.view(grid_rows, grid_cols, side, side, hidden)

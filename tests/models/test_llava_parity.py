@@ -54,12 +54,13 @@ def _hf_inputs(variant: str, images: list[Image.Image]) -> dict:
     if not images:
         return {}
     processor = image_processor(variant)
-    out = processor(images=images, return_tensors="pt")
+    # OneVision: the prompt's images as one sample, so several switch to the multi-image mode
+    out = processor(images=[images] if variant == "llava_onevision" else images, return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"]}
     if variant != "llava":
         inputs["image_sizes"] = out["image_sizes"]
-    if variant == "llava_onevision":  # every image processed alone (anyres), as Foveal does
-        inputs["batch_num_images"] = torch.ones(len(images), dtype=torch.long)
+    if variant == "llava_onevision":
+        inputs["batch_num_images"] = out["batch_num_images"]
     return inputs
 
 

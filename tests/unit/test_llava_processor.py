@@ -150,3 +150,33 @@ def test_onevision_video_budget_drops_frames_and_counts_the_newline():
         plan_media([VideoItem(640, 360, 16)], geometry, 4 * 196)  # below min_frames=4 + newline
     with pytest.raises(InvalidRequestError, match="images only"):
         LlavaVideoProcessor().with_overrides({"fps": 2})
+
+
+def test_onevision_multi_image_mode_equals_transformers():
+    """Several images in one prompt: transformers pads each to a square (mean colour) and keeps one
+    view; the placeholder is the view's 729 rows plus a newline. One image: anyres as before."""
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil)
+
+    hf = LlavaOnevisionImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    ours = processor_from_config(_CONFIGS["llava_onevision"],
+                                 {**_preprocessor("llava_onevision"), "image_mean": [0.5] * 3,
+                                  "image_std": [0.5] * 3})
+    images = [_image(w, h, seed) for seed, (w, h) in enumerate(_SIZES)]
+    expected = hf(images=[images], return_tensors="pt")
+    assert expected["batch_num_images"].tolist() == [len(images)]
+    several = ours.in_prompt_of(len(images))
+    assert several.single_view and ours.in_prompt_of(1) is ours
+    assert several.tensor_params() != ours.tensor_params()  # distinct cache keys
+    for index, image in enumerate(images):
+        processed = several.process(image)
+        assert torch.equal(processed.pixel_values, expected["pixel_values"][index, :1].float()), index
+        assert processed.num_tokens == 730 == several.num_tokens_for_size(image.width, image.height)
+        assert processed.tile_grid == (0, 0)
+    geometry = planner_geometry(several, None)
+    assert [p.num_tokens for p in plan_media([ImageItem(1000, 300), ImageItem(50, 40, "low")],
+                                             geometry).items] == [730, 730]
+    with pytest.raises(InvalidRequestError, match="several images"):
+        several.with_overrides({"max_pixels": 384 * 384 * 4})
+    next_processor = processor_from_config(_CONFIGS["llava_next"], _preprocessor("llava_next"))
+    assert next_processor.in_prompt_of(3) is next_processor  # NeXT tiles every image

@@ -88,6 +88,9 @@ class ProcessorFamily:
     # ModelConfig -> the token ids one image takes in a prompt before expansion
     # (what a chat template writes per image); None: the model's image token alone.
     image_prompt_ids: Callable[[Any], tuple[int, ...]] | None = None
+    # (image processor, images in the prompt) -> the processor for that prompt's images
+    # (LLaVA-OneVision's multi-image mode); None: the same processor whatever the count.
+    prompt_image_processor: Callable[[Any, int], Any] | None = None
 
     def prompt_ids_for_image(self, model_config: Any) -> tuple[int, ...]:
         """The unexpanded placeholder of one image, e.g. Qwen2-VL's
@@ -95,6 +98,11 @@ class ProcessorFamily:
         if self.image_prompt_ids is not None:
             return self.image_prompt_ids(model_config)
         return (model_config.image_token_id,)
+
+    def image_processor_for_prompt(self, image_processor: Any, num_images: int) -> Any:
+        if self.prompt_image_processor is None:
+            return image_processor
+        return self.prompt_image_processor(image_processor, num_images)
 
     def expander(self, tokenizer: Any) -> PlaceholderExpander:
         """The placeholder expansion the input processor runs with this tokenizer."""

@@ -12,10 +12,14 @@ image squashed to tile_size x tile_size. Tokens: the base view's rows, then
 the tiles' feature grid with the padding removed ("unpadded"), OneVision
 pooled down to at most `max_tiles` tiles' worth, plus one newline per row.
 
+OneVision's multi-image mode (`in_prompt_of(n)` with n > 1, as transformers'
+processor does for a prompt of several images): each image is padded to a
+square with the mean colour and squashed to one view; tokens: that view's rows
+and one newline. The mode is in `tensor_params`, so an image's cache entries
+differ between one-image and several-image prompts.
+
 The numbers equal transformers' PIL processors: Pillow resizes uint8 images,
-rescale in float64 then float32, normalize in float32. Every image is
-processed alone: OneVision's multi-image mode (pad to square, one view) is not
-used, so a prompt's images are processed the same wherever they appear.
+rescale in float64 then float32, normalize in float32.
 
 The budget planner's dial is `max_pixels`: anyres keeps only the canvases of
 at most max_pixels (fewer tiles, fewer tokens); LLaVA-1.5 has one size, so
@@ -119,10 +123,19 @@ class LlavaImageProcessor:
     do_rescale: bool = True
     do_normalize: bool = True
     resample: int = int(Image.Resampling.BICUBIC)
+    single_view: bool = False  # OneVision in a prompt of several images: padded square, one view
 
     @property
     def anyres(self) -> bool:
-        return self.variant != "llava"
+        return self.variant != "llava" and not self.single_view
+
+    def in_prompt_of(self, num_images: int) -> "LlavaImageProcessor":
+        """The processor for the images of a prompt holding num_images images:
+        OneVision switches to its multi-image mode above one."""
+        if self.variant != "llava_onevision" or num_images <= 1 or self.single_view:
+            return self
+        side = self.tile_size
+        return dataclasses.replace(self, single_view=True, max_pixels=side * side)
 
     @property
     def min_pixels(self) -> int:
@@ -148,6 +161,10 @@ class LlavaImageProcessor:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InvalidRequestError(f"mm_processor_kwargs['max_pixels'] must be a positive int, "
                                       f"got {value!r}")
+        if self.single_view:
+            raise InvalidRequestError(
+                f"in a prompt of several images LLaVA-OneVision sees each at {self.tile_size}x"
+                f"{self.tile_size} ({self.base_tokens + 1} tokens); max_pixels cannot change that")
         if not self.anyres:
             raise InvalidRequestError(
                 f"LLaVA-1.5 sees every image at {self.tile_size}x{self.tile_size} "
@@ -162,6 +179,8 @@ class LlavaImageProcessor:
 
     def num_tokens_for_size(self, width: int, height: int) -> int:
         """Visual tokens an image of this size takes, without processing it."""
+        if self.single_view:
+            return self.base_tokens + 1  # the view's rows, then one newline
         if not self.anyres:
             return self.base_tokens
         canvas_h, canvas_w = select_best_resolution(height, width, self.canvases())
@@ -175,7 +194,12 @@ class LlavaImageProcessor:
         rgb = to_rgb(image)
         if rgb.width <= 0 or rgb.height <= 0:
             raise MediaError(f"image is {rgb.width}x{rgb.height}: it has no pixels")
-        views, grid = (self._anyres_views(rgb) if self.anyres else ([self._center_view(rgb)], (0, 0)))
+        if self.single_view:
+            views, grid = [self._resize(self._square(rgb), self.tile_size, self.tile_size)], (0, 0)
+        elif self.anyres:
+            views, grid = self._anyres_views(rgb)
+        else:
+            views, grid = [self._center_view(rgb)], (0, 0)
         pixels = np.stack([self.normalize(np.asarray(view)) for view in views])  # (V, S, S, C)
         return LlavaProcessedImage(
             pixel_values=torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous(),
@@ -200,6 +224,16 @@ class LlavaImageProcessor:
         if top < 0 or left < 0:
             raise ConfigError(f"shortest_edge {self.shortest_edge} is below the crop size {self.tile_size}")
         return resized.crop((left, top, left + self.tile_size, top + self.tile_size))
+
+    def _square(self, image: Image.Image) -> Image.Image:
+        """Padded to a square with the mean colour (truncated to uint8), the image centred."""
+        side = max(image.width, image.height)
+        if image.width == image.height:
+            return image
+        colour = tuple(int(x * 255) for x in self.image_mean)
+        canvas = Image.new("RGB", (side, side), colour)
+        canvas.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+        return canvas
 
     def _anyres_views(self, image: Image.Image) -> tuple[list[Image.Image], tuple[int, int]]:
         canvas_h, canvas_w = select_best_resolution(image.height, image.width, self.canvases())

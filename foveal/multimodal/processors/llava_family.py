@@ -181,4 +181,5 @@ LLAVA = ProcessorFamily(
     video_override_keys=tuple(VIDEO_KEYS),
     expand_placeholders=expand_mm_placeholders,
     planner_geometry=planner_geometry,
+    prompt_image_processor=lambda processor, num_images: processor.in_prompt_of(num_images),
 )
