@@ -220,3 +220,4 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (safetensors) | "dummy"
     seed: int = 0
     quantization: str | None = None  # online weight quantization: "int8" (W8A8 dynamic)
+    quantize_lm_head: bool = False  # with int8: the LM head too (an int8 copy; a tied embedding stays)

@@ -46,6 +46,7 @@ class EngineArgs:
     mm_encoder_tp_mode: str = "weights"  # "data": replicate the vision encoder, split items
     speculative_config: dict | None = None
     quantization: str | None = None  # "int8": W8A8, dynamic per-token activations (CPU)
+    quantize_lm_head: bool = False  # with quantization="int8": the LM head as well
     role: str = "mixed"  # disaggregated serving: encode | prefill | decode | mixed
     transfer_host: str = "127.0.0.1"
     transfer_advertise_host: str | None = None
@@ -87,6 +88,8 @@ class EngineArgs:
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
         dtype = resolve_dtype(self.dtype, device, model_config.checkpoint_dtype)
         quantization = check_quantization(self.quantization, device)
+        if self.quantize_lm_head and quantization is None:
+            raise ConfigError("quantize_lm_head needs quantization='int8' (--quantization int8)")
         if device == "cpu":
             from foveal.cpu_features import cpu_features
 
@@ -117,6 +120,7 @@ class EngineArgs:
             load_format=self.load_format,
             seed=self.seed,
             quantization=quantization,
+            quantize_lm_head=self.quantize_lm_head,
         )
 
     def _speculative_config(self, max_model_len: int, text: TextConfig

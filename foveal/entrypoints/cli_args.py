@@ -82,6 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", choices=("int8",),
                        help="quantize the linear layers' weights at load time: int8 (per output "
                             "channel, activations per token at run time; CPU)")
+    group.add_argument("--quantize-lm-head", action="store_true",
+                       help="with --quantization int8: quantize the LM head too (the largest single "
+                            "weight a decode step reads; logits move by the int8 rounding)")
 
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -90,7 +93,7 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_bat
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
                 "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
                 "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend",
-                "mm_encoder_tp_mode", "speculative_config", "quantization")
+                "mm_encoder_tp_mode", "speculative_config", "quantization", "quantize_lm_head")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -195,6 +195,8 @@ def prepack_weights(model: nn.Module) -> int:
             continue
         if weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
+        if getattr(module, "int8_weight", None) is not None:  # forward() reads the int8 copy
+            continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         if isinstance(module, LinearBase):
             module.weight.data = torch.empty(0, dtype=weight.dtype)

@@ -11,8 +11,10 @@ prefill, prefix-cache hits and batching give the same numbers as a lone run.
 
 What it covers: every `LinearBase` layer (the decoder's and the vision
 tower's projections), on CPU. The LM head and the embeddings stay in the
-compute dtype, as in the int8 checkpoints users run elsewhere (the head's
-error would reach the logits directly). Measured (9,728 x 896 weights read
+compute dtype by default, as in the int8 checkpoints users run elsewhere (the
+head's error reaches the logits directly); `quantize_lm_head` (--quantize-lm-head)
+quantizes the head as well, as llama.cpp's q8_0 files do: with a large
+vocabulary it is the biggest single weight each decode step reads. Measured (9,728 x 896 weights read
 from memory, 2 threads, AMD EPYC with avx512_vnni; scripts/bench_linear_kernels.py):
 3.4x fp32's oneDNN GEMM at one row, 2.6x at 256 rows, 2.0x at 1,024.
 """
@@ -64,21 +66,26 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return out.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
 
 
-def quantize_weights(model: nn.Module, method: str | None) -> int:
+def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False) -> int:
     """Quantize every linear layer of `model` in place; returns how many. The
-    dense weight is released: from then on forward() reads the int8 copy."""
+    dense weight is released: from then on forward() reads the int8 copy.
+
+    lm_head: the LM head too. It keeps its dense weight, which a tied embedding
+    shares (and an untied one is small next to the decode-time saving)."""
     if method is None:
         return 0
+    from foveal.layers.embed_head import ParallelLMHead
     from foveal.layers.linear import LinearBase
 
     count = 0
     for module in model.modules():
-        if not isinstance(module, LinearBase) or module.weight.dim() != 2:
+        head = lm_head and isinstance(module, ParallelLMHead)
+        if not (isinstance(module, LinearBase) or head) or module.weight.dim() != 2:
             continue
         if module.weight.numel() == 0:
             continue
-        qweight, scale = quantize_int8(module.weight)
-        module.int8_weight, module.int8_scale = qweight, scale
-        module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+        module.int8_weight, module.int8_scale = quantize_int8(module.weight)
+        if not head:
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         count += 1
     return count

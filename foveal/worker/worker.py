@@ -48,7 +48,8 @@ class Worker:
         if self.config.transfer.role == "encode":
             self.model.keep_vision_only()  # an encode worker never runs the text decoder
         self.draft_head = self._load_draft_head()
-        quantize_weights(self.model, self.config.quantization)  # --quantization int8
+        quantize_weights(self.model, self.config.quantization,  # --quantization int8
+                         lm_head=self.config.quantize_lm_head)
         prepack_weights(self.model)  # CPU fp32: oneDNN-blocked GEMM weights
         if self.draft_head is not None:
             prepack_weights(self.draft_head)

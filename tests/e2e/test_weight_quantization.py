@@ -70,7 +70,20 @@ def test_the_engine_quantizes_every_linear_layer_but_not_the_head(checkpoint):
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.int8_weight is not None for m in linears)
     head = model.lm_head if hasattr(model, "lm_head") else model.language_model.lm_head
-    assert head.weight.numel() > 0
+    assert head.weight.numel() > 0 and getattr(head, "int8_weight", None) is None
+
+
+def test_quantize_lm_head_gives_the_head_an_int8_copy(checkpoint):
+    llm = LLM(model=checkpoint, quantization="int8", quantize_lm_head=True, max_model_len=256,
+              kv_cache_memory_bytes=4 << 20)
+    model = llm.llm_engine.core.executor.model_runner.model
+    head = model.lm_head if hasattr(model, "lm_head") else model.language_model.lm_head
+    assert head.int8_weight.dtype == torch.int8 and head.int8_weight.shape == head.weight.shape
+    assert head.packed_weight is None  # forward() reads the int8 copy, nothing else
+    hidden = torch.randn(3, head.weight.shape[1])
+    logits = head(hidden)
+    dense = hidden @ head.weight.T
+    assert 0 < (logits - dense).abs().max() < 0.05 * dense.abs().max()
 
 
 def test_teacher_forced_agreement_with_float_weights(checkpoint):
@@ -84,6 +97,11 @@ def test_teacher_forced_agreement_with_float_weights(checkpoint):
     assert result.positions == 288
     assert result.top1_agreement >= 0.9
     assert 0 < result.mean_abs_logit_diff
+    with_head = agreement(LLM(model=checkpoint, quantization="int8", quantize_lm_head=True, **kwargs),
+                          prompts, reference)
+    print(with_head.as_dict())
+    assert with_head.top1_agreement >= 0.9
+    assert with_head.mean_abs_logit_diff != result.mean_abs_logit_diff  # the head is quantized
 
 
 def test_chunked_prefill_and_cache_hits_give_a_plain_int8_runs_answers(checkpoint):
@@ -108,6 +126,8 @@ def test_refused_configurations(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="CPU only"):
         check_quantization("int8", "cuda")
     assert check_quantization(None, "cuda") is None
+    with pytest.raises(ConfigError, match="quantize_lm_head needs"):
+        LLM(model=checkpoint, quantize_lm_head=True)
     quantized = tmp_path / "bitsandbytes"
     shutil.copytree(checkpoint, quantized)
     config = json.loads((quantized / "config.json").read_text())
