@@ -72,7 +72,7 @@ class InputProcessor:
         kwargs = self._split_kwargs(prompt.get("mm_processor_kwargs") or {})
         if self.transcriber is not None or not self._transcribes(kwargs) or not has_video(prompt):
             return None
-        video_processor = self.video_processor.with_overrides(kwargs.video)
+        video_processor = self._video_processor(prompt, kwargs)
         videos = self.media.load_videos(prompt.get("multi_modal_data") or {}, video_processor.sampling)
         return [speech_wav(video) for video in videos]
 
@@ -89,7 +89,7 @@ class InputProcessor:
         kwargs = self._split_kwargs(prompt.get("mm_processor_kwargs") or {})
         image_processor = self.image_processor.with_overrides(kwargs.image) if kwargs.image \
             else self.image_processor
-        video_processor = self.video_processor.with_overrides(kwargs.video)
+        video_processor = self._video_processor(prompt, kwargs)
         media = self.media.load(prompt.get("multi_modal_data") or {},
                                 prompt.get("multi_modal_uuids") or {}, video_processor.sampling)
         image_processor = self.family.image_processor_for_prompt(image_processor, len(media.images))
@@ -105,6 +105,14 @@ class InputProcessor:
         request = Request(request_id, token_ids, features, self._finalize(params, token_ids),
                           arrival_time=time.time(), cache_salt=prompt.get("cache_salt"))
         return ProcessedPrompt(request, text, in_prompt_order(features, image_plans, video_plans))
+
+    def _video_processor(self, prompt: Mapping[str, Any], kwargs: ProcessorKwargs):
+        """The prompt's video processor; a family without video refuses a video here,
+        before it is fetched or decoded."""
+        video_processor = self.video_processor.with_overrides(kwargs.video)
+        if has_video(prompt) and not getattr(video_processor, "takes_video", True):
+            raise InvalidRequestError(video_processor.refusal())
+        return video_processor
 
     def _split_kwargs(self, kwargs: Mapping[str, Any]) -> ProcessorKwargs:
         return split_processor_kwargs(kwargs, self.family.image_override_keys,

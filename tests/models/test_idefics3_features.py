@@ -43,6 +43,9 @@ def test_tensor_parallel_speculation_and_int8_kv_give_the_tokens_of_one_rank(tin
              "multi_modal_data": {"video": [np.zeros((16, 16, 3), np.uint8)] * 4}}
     with pytest.raises(InvalidRequestError, match="images only"):
         one_rank.generate([video], GREEDY, use_tqdm=False)
+    missing = {**video, "multi_modal_data": {"video": "/nonexistent/clip.mp4"}}
+    with pytest.raises(InvalidRequestError, match="images only"):  # refused before it is opened
+        one_rank.generate([missing], GREEDY, use_tqdm=False)
     for options in ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
                      "max_num_batched_tokens": 16},  # sharded tower, chunks through the images
                     {"mm_encoder_tp_mode": "data"}):  # each rank encodes some of a step's images

@@ -53,6 +53,9 @@ def test_foveal_tiny_checkpoint_answers_like_transformers(tiny_checkpoints):
     output = llm.chat([_chats()[0]], GREEDY, use_tqdm=False)[0]
     with pytest.raises(InvalidRequestError, match="images only"):
         llm.generate([_video_prompt()], GREEDY, use_tqdm=False)
+    missing = {**_video_prompt(), "multi_modal_data": {"video": "/nonexistent/clip.mp4"}}
+    with pytest.raises(InvalidRequestError, match="images only"):  # refused before it is opened
+        llm.generate([missing], GREEDY, use_tqdm=False)
     hf = transformers.LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     inputs = dict(LlavaNextImageProcessorPil.from_pretrained(path)(images=[_image(130, 40, 1)],
                                                                     return_tensors="pt"))

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from foveal.errors import InvalidRequestError
+from foveal.multimodal.media.video import VideoSampling
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -52,6 +55,7 @@ class ImageProcessor(Protocol):
 
 class VideoProcessor(Protocol):
     sampling: "VideoSampling"  # the frame-sampling rule (fps, min/max frames)
+    takes_video: bool  # False: every video is refused before it is loaded
 
     @classmethod
     def from_pretrained(cls, path: str, overrides: dict | None = None) -> "VideoProcessor": ...
@@ -62,6 +66,34 @@ class VideoProcessor(Protocol):
         """A copy whose frames are resized to at most `max_pixels` (the planner's choice)."""
 
     def process(self, video: "DecodedVideo") -> ProcessedItem: ...
+
+
+class NoVideoProcessor:
+    """The video processor of a family that takes no video: a video, or a video
+    option, is refused with a clear error (before any video is loaded)."""
+
+    family_name = "this model"  # subclasses name their family
+    sampling = VideoSampling()
+    takes_video = False
+
+    @classmethod
+    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "NoVideoProcessor":
+        return cls().with_overrides(overrides or {})
+
+    def with_overrides(self, overrides: dict) -> "NoVideoProcessor":
+        if overrides:
+            raise InvalidRequestError(f"mm_processor_kwargs {sorted(overrides)} are for videos; "
+                                      f"Foveal runs {self.family_name} on images only")
+        return self
+
+    def with_max_pixels(self, max_pixels: int) -> "NoVideoProcessor":
+        return self
+
+    def refusal(self) -> str:
+        return f"Foveal runs {self.family_name} on images only; send video frames as images"
+
+    def process(self, video) -> None:
+        raise InvalidRequestError(self.refusal())
 
 
 # (token ids, modality -> (placeholder token id, processed items in prompt order))

@@ -11,31 +11,12 @@ from typing import Any
 
 from foveal.errors import InvalidRequestError
 from foveal.multimodal.budget import Geometry
-from foveal.multimodal.media.video import VideoSampling
-from foveal.multimodal.processors.family import ProcessorFamily
+from foveal.multimodal.processors.family import NoVideoProcessor, ProcessorFamily
 from foveal.multimodal.processors.gemma3 import OVERRIDE_KEYS, Gemma3ImageProcessor, gemma3_expander
 
 
-class Gemma3NoVideoProcessor:
-    """Gemma 3 takes no video: any video, or a video option, is refused."""
-
-    sampling = VideoSampling()
-
-    @classmethod
-    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "Gemma3NoVideoProcessor":
-        return cls().with_overrides(overrides or {})
-
-    def with_overrides(self, overrides: dict) -> "Gemma3NoVideoProcessor":
-        if overrides:
-            raise InvalidRequestError(f"mm_processor_kwargs {sorted(overrides)} are for videos; "
-                                      "Gemma 3 takes images only")
-        return self
-
-    def with_max_pixels(self, max_pixels: int) -> "Gemma3NoVideoProcessor":
-        return self
-
-    def process(self, video) -> None:
-        raise InvalidRequestError("Gemma 3 takes images only; send video frames as images")
+class Gemma3NoVideoProcessor(NoVideoProcessor):
+    family_name = "Gemma 3"
 
 
 @dataclass(frozen=True)

@@ -12,32 +12,12 @@ from typing import Any
 
 from foveal.errors import InvalidRequestError
 from foveal.multimodal.budget import Geometry
-from foveal.multimodal.media.video import VideoSampling
-from foveal.multimodal.processors.family import ProcessorFamily
+from foveal.multimodal.processors.family import NoVideoProcessor, ProcessorFamily
 from foveal.multimodal.processors.idefics3 import OVERRIDE_KEYS, Idefics3ImageProcessor, idefics3_expander
 
 
-class Idefics3NoVideoProcessor:
-    """Videos are not supported for Idefics3 / SmolVLM: any video, or a video option, is refused."""
-
-    sampling = VideoSampling()
-
-    @classmethod
-    def from_pretrained(cls, path: str, overrides: dict | None = None) -> "Idefics3NoVideoProcessor":
-        return cls().with_overrides(overrides or {})
-
-    def with_overrides(self, overrides: dict) -> "Idefics3NoVideoProcessor":
-        if overrides:
-            raise InvalidRequestError(f"mm_processor_kwargs {sorted(overrides)} are for videos; "
-                                      "Foveal runs Idefics3 / SmolVLM on images only")
-        return self
-
-    def with_max_pixels(self, max_pixels: int) -> "Idefics3NoVideoProcessor":
-        return self
-
-    def process(self, video) -> None:
-        raise InvalidRequestError("Foveal runs Idefics3 / SmolVLM on images only; send video frames "
-                                  "as images")
+class Idefics3NoVideoProcessor(NoVideoProcessor):
+    family_name = "Idefics3 / SmolVLM"
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,13 @@ class LlavaVideoProcessor:
         return processor
 
     @property
+    def takes_video(self) -> bool:
+        return self.frame is not None
+
+    def refusal(self) -> str:
+        return "this LLaVA model takes images only (LLaVA-OneVision takes videos); send video frames as images"
+
+    @property
     def sampling(self) -> VideoSampling:
         return VideoSampling(fps=self.fps, min_frames=self.min_frames, max_frames=self.max_frames,
                              frame_factor=1)
@@ -94,8 +101,7 @@ class LlavaVideoProcessor:
 
     def process(self, video: DecodedVideo) -> LlavaProcessedVideo:
         if self.frame is None:
-            raise InvalidRequestError("this LLaVA model takes images only (LLaVA-OneVision takes "
-                                      "videos); send video frames as images")
+            raise InvalidRequestError(self.refusal())
         side = self.frame.tile_size
         frames = np.stack([self.frame.normalize(np.asarray(
             Image.fromarray(f).resize((side, side), resample=Image.Resampling(self.frame.resample))
