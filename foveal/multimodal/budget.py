@@ -73,6 +73,24 @@ class Geometry:
 
 
 @dataclass(frozen=True)
+class ProcessorGeometry(Geometry):
+    """Tokens through a family processor's own count at the planner's max_pixels, for
+    families whose views are not Qwen-VL patches (Gemma 3 crops, Idefics3 tiles). The
+    processor: `min_pixels`, `with_overrides({"max_pixels": n})`, `num_tokens_for_size(w, h)`."""
+
+    processor: object | None = None
+
+    def frame_tokens(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+        if min(width, height) <= 0:
+            return 0
+        return self.at(max_pixels).num_tokens_for_size(width, height)
+
+    def at(self, max_pixels: int):
+        """The processor capped at max_pixels (never below its own minimum)."""
+        return self.processor.with_overrides({"max_pixels": max(max_pixels, self.processor.min_pixels)})
+
+
+@dataclass(frozen=True)
 class ImageItem:
     width: int
     height: int

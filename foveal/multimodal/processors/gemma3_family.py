@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from foveal.errors import InvalidRequestError
-from foveal.multimodal.budget import Geometry
+from foveal.multimodal.budget import ProcessorGeometry
 from foveal.multimodal.processors.family import NoVideoProcessor, ProcessorFamily
 from foveal.multimodal.processors.gemma3 import OVERRIDE_KEYS, Gemma3ImageProcessor, gemma3_expander
 
@@ -20,17 +20,9 @@ class Gemma3NoVideoProcessor(NoVideoProcessor):
 
 
 @dataclass(frozen=True)
-class Gemma3Geometry(Geometry):
-    """Tokens through the processor's own rule: one fixed view, plus the crops
-    pan-and-scan takes within the planner's max_pixels (view area per crop)."""
-
-    processor: Gemma3ImageProcessor | None = None
-
-    def frame_tokens(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
-        if min(width, height) <= 0:
-            return 0
-        capped = self.processor.with_overrides({"max_pixels": max(max_pixels, self.processor.min_pixels)})
-        return capped.num_tokens_for_size(width, height)
+class Gemma3Geometry(ProcessorGeometry):
+    """One fixed view, plus the crops pan-and-scan takes within the planner's max_pixels
+    (view area per crop)."""
 
     def resized_size(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
         side = self.processor.image_size

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from foveal.errors import InvalidRequestError
-from foveal.multimodal.budget import Geometry
+from foveal.multimodal.budget import ProcessorGeometry
 from foveal.multimodal.processors.family import NoVideoProcessor, ProcessorFamily
 from foveal.multimodal.processors.idefics3 import OVERRIDE_KEYS, Idefics3ImageProcessor, idefics3_expander
 
@@ -21,23 +21,12 @@ class Idefics3NoVideoProcessor(NoVideoProcessor):
 
 
 @dataclass(frozen=True)
-class Idefics3Geometry(Geometry):
-    """Tokens through the processor's own rule: (tiles + 1) * image_seq_len, the tiles
-    those of the longest edge max_pixels allows."""
-
-    processor: Idefics3ImageProcessor | None = None
-
-    def frame_tokens(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
-        if min(width, height) <= 0:
-            return 0
-        return self._at(max_pixels).num_tokens_for_size(width, height)
+class Idefics3Geometry(ProcessorGeometry):
+    """(tiles + 1) * image_seq_len, the tiles those of the longest edge max_pixels allows."""
 
     def resized_size(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-        _, _, resized_h, resized_w = self._at(max_pixels).grid(width, height)
+        _, _, resized_h, resized_w = self.at(max_pixels).grid(width, height)
         return resized_h, resized_w
-
-    def _at(self, max_pixels: int) -> Idefics3ImageProcessor:
-        return self.processor.with_overrides({"max_pixels": max(max_pixels, self.processor.min_pixels)})
 
 
 def planner_geometry(image_processor: Idefics3ImageProcessor, video_processor: Any) -> Idefics3Geometry:
