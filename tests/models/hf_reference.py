@@ -105,3 +105,17 @@ def hf_rope_index(model, hf_config: dict, token_ids: list[int], grid_thw) -> tup
     positions, deltas = model.model.get_rope_index(
         torch.tensor([token_ids]), mm_token_type_ids(hf_config, token_ids), image_grid_thw=grid_thw)
     return positions[:, 0], int(deltas.flatten()[0])
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], inputs: dict, steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from a full transformers forward per step (no KV
+    cache): every logit comes from transformers alone. inputs: the media kwargs."""
+    ids, tokens, logprobs = list(prompt_ids), [], []
+    for _ in range(steps):
+        logits = model(input_ids=torch.tensor([ids]), **inputs).logits[0, -1].float()
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        ids.append(token)
+    return tokens, logprobs

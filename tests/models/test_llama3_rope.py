@@ -11,6 +11,7 @@ from PIL import Image
 from foveal import LLM, SamplingParams
 from foveal.config import RopeScaling
 from foveal.layers.rotary import rope_inv_freq, scaled_inv_freq
+from tests.models.hf_reference import hf_greedy
 from tests.models.llava_tiny import IMAGE_TOKEN_ID, hf_model, image_processor, write_checkpoint
 
 # A short original context so the scaling moves frequencies that matter at these lengths.
@@ -36,18 +37,6 @@ def test_inverse_frequencies_equal_transformers(rope):
     assert not torch.equal(ours, rope_inv_freq(128, rope["rope_theta"]))
 
 
-@torch.inference_mode()
-def _hf_greedy(model, prompt_ids: list[int], inputs: dict, steps: int) -> tuple[list[int], list[float]]:
-    ids, tokens, logprobs = list(prompt_ids), [], []
-    for _ in range(steps):
-        logits = model(input_ids=torch.tensor([ids]), **inputs).logits[0, -1].float()
-        token = int(torch.argmax(logits))
-        tokens.append(token)
-        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-        ids.append(token)
-    return tokens, logprobs
-
-
 def test_llava_with_llama3_rope_matches_transformers(tmp_path):
     path = write_checkpoint("llava", tmp_path / "llava-llama3", rope=LLAMA3)
     hf = hf_model("llava", rope=LLAMA3)
@@ -62,7 +51,7 @@ def test_llava_with_llama3_rope_matches_transformers(tmp_path):
     prompt = output.prompt_token_ids
     assert prompt.count(IMAGE_TOKEN_ID) == 16 and len(prompt) > 40  # past the 32-token original context
     pixels = {"pixel_values": image_processor("llava")(images=[picture], return_tensors="pt")["pixel_values"]}
-    tokens, logprobs = _hf_greedy(hf, prompt, pixels, 8)
+    tokens, logprobs = hf_greedy(hf, prompt, pixels, 8)
     completion = output.outputs[0]
     assert list(completion.token_ids) == tokens
     ours = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from foveal import LLM, SamplingParams
+from tests.models.hf_reference import hf_greedy
 from tests.models.llava_tiny import IMAGE_TOKEN_ID, image_processor, write_checkpoint
 
 MAX_TOKENS = 6
@@ -64,19 +65,6 @@ def _hf_inputs(variant: str, images: list[Image.Image]) -> dict:
     return inputs
 
 
-@torch.inference_mode()
-def _hf_greedy(model, prompt_ids: list[int], inputs: dict, steps: int) -> tuple[list[int], list[float]]:
-    """A full forward per step (no KV cache): every logit comes from transformers alone."""
-    ids, tokens, logprobs = list(prompt_ids), [], []
-    for _ in range(steps):
-        logits = model(input_ids=torch.tensor([ids]), **inputs).logits[0, -1].float()
-        token = int(torch.argmax(logits))
-        tokens.append(token)
-        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-        ids.append(token)
-    return tokens, logprobs
-
-
 def _images(conversation) -> list[Image.Image]:
     return [p["image_pil"] for p in conversation[0]["content"] if p["type"] == "image_pil"]
 
@@ -89,7 +77,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(setup):
     for conversation, output in zip(conversations, outputs):
         images = _images(conversation)
         assert output.prompt_token_ids.count(IMAGE_TOKEN_ID) >= 16 * len(images)
-        ref_tokens, ref_logprobs = _hf_greedy(hf, output.prompt_token_ids, _hf_inputs(variant, images),
+        ref_tokens, ref_logprobs = hf_greedy(hf, output.prompt_token_ids, _hf_inputs(variant, images),
                                               MAX_TOKENS)
         completion = output.outputs[0]
         assert list(completion.token_ids) == ref_tokens
