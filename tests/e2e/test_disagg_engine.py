@@ -142,3 +142,36 @@ def test_encode_engine_embeddings_replace_the_tower(checkpoint):
         {ENCODED_KEY: output.embeddings[feature.mm_hash]})]
     assert run(prefill, [request])["p"][0] == expected
     assert prefill.get_stats()["foveal:encoder_items_total"] == 0
+
+
+FAMILIES = ["tiny-qwen3-vl", "tiny-llava-next", "tiny-llava-onevision", "tiny-gemma3", "tiny-idefics3"]
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_every_family_disaggregates_like_one_engine(tiny_checkpoints, preset):
+    """Encode -> prefill (the tower's rows, DeepStack and marker runs included) and
+    prefill -> decode (the KV) give one mixed engine's tokens, on every model family."""
+    from foveal.bench.workload import PromptVocab
+
+    path = tiny_checkpoints(preset)
+    config = engine_config(path)
+    vocab = PromptVocab.from_model_dir(path)
+    prompt = {"prompt_token_ids": [*vocab.image_prompt_ids, *vocab.text_token_ids[20:32]],
+              "multi_modal_data": {"image": image(7)}}
+    expected = run(build_engine_core(config), [make_request(config, "m", prompt)])["m"][0]
+
+    encode = build_engine_core(dataclasses.replace(
+        config, transfer=dataclasses.replace(config.transfer, role="encode")))
+    encode.add_request(make_request(config, "e", prompt))
+    [output] = encode.step()
+    assert output.finished and output.error is None
+    request = make_request(config, "p", prompt)
+    [feature] = request.mm_features
+    request.mm_features = [feature.without_payload().with_payload(
+        {ENCODED_KEY: output.embeddings[feature.mm_hash]})]
+    prefill = build_engine_core(config)
+    assert run(prefill, [request])["p"][0] == expected
+    assert prefill.get_stats()["foveal:encoder_items_total"] == 0
+
+    assert prefill_then_decode(build_engine_core(config), build_engine_core(config), config,
+                               prompt, "d") == expected
