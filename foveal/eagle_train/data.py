@@ -7,8 +7,9 @@ images, multi-image comparisons and clips with questions, through the
 target's chat template; or the user's own, from a JSONL file (train on the
 traffic the head will serve). The engine runs one request at a time with neither
 chunking nor prefix caching, so each forward belongs to one request: its
-prompt, then one generated token per decode step. Hooks on the text decoder
-record the three auxiliary layers' inputs and the positions of every row.
+prompt, then one generated token per decode step. The text decoder's own
+`aux_layers` output gives the three auxiliary layers' inputs, recorded with the
+positions of every row.
 """
 from __future__ import annotations
 
@@ -30,41 +31,41 @@ class Sequence:
 
 
 class FeatureRecorder:
-    """Forward hooks on a Foveal text decoder: positions and aux-layer inputs per forward."""
+    """Wraps a Foveal text decoder's forward: every forward also returns the aux layers'
+    inputs (the decoders' own `aux_layers` output, as when serving with a head), which
+    are recorded with the positions; the caller still gets the hidden states alone."""
 
     def __init__(self, decoder: torch.nn.Module, aux_layers: tuple[int, ...]) -> None:
-        self.aux_layers = aux_layers
+        self.aux_layers = tuple(aux_layers)
         self.forwards: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._current: dict = {}
-        self._handles = [decoder.register_forward_pre_hook(self._on_decoder)]
-        self._handles += [decoder.layers[i].register_forward_pre_hook(self._on_layer(i))
-                          for i in sorted(set(aux_layers))]
-        self._handles.append(decoder.register_forward_hook(self._on_decoder_done))
+        self._decoder = decoder
+        wrapped = decoder.forward
 
-    def _on_decoder(self, _module, args) -> None:
-        self._current = {"positions": args[1].detach().clone()}
+        def forward(inputs_embeds, positions, aux_layers=()):
+            if aux_layers:  # a caller that wants its own aux layers (not during recording)
+                return wrapped(inputs_embeds, positions, aux_layers)
+            hidden, aux = wrapped(inputs_embeds, positions, self.aux_layers)
+            self.forwards.append((positions.detach().clone(), aux.detach().float().clone()))
+            return hidden
 
-    def _on_layer(self, index: int):
-        def hook(_module, args) -> None:
-            hidden, residual = args[0], args[2]
-            value = hidden if residual is None else hidden + residual
-            self._current[index] = value.detach().float().clone()
-        return hook
-
-    def _on_decoder_done(self, _module, _args, _output) -> None:
-        aux = torch.cat([self._current[i] for i in self.aux_layers], dim=-1)
-        self.forwards.append((self._current["positions"], aux))
+        decoder.forward = forward
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        del self._decoder.forward  # back to the class's forward
 
 
-def task_conversations(num_prompts: int, start: int = 0) -> list[list[dict]]:
-    """The demo tasks' train-split prompts as chat conversations."""
+def task_conversations(num_prompts: int, start: int = 0, video: bool = True) -> list[list[dict]]:
+    """The demo tasks' train-split prompts as chat conversations; video=False skips the
+    clips (for a target that takes no video)."""
     from foveal.demo_model.tasks import make_sample
 
-    return [make_sample("train", index).messages() for index in range(start, start + num_prompts)]
+    conversations, index = [], start
+    while len(conversations) < num_prompts:
+        sample = make_sample("train", index)
+        if video or sample.video is None:
+            conversations.append(sample.messages())
+        index += 1
+    return conversations
 
 
 def load_conversations(path: str) -> list[list[dict]]:
@@ -104,7 +105,8 @@ def generate_sequences(target: str, aux_layers: tuple[int, ...],
     max_len = min(8192, model_config_from_hf(target).text.max_position_embeddings)
     llm = LLM(model=target, max_num_seqs=1, enable_prefix_caching=False,
               max_num_batched_tokens=max_len, max_model_len=max_len)
-    decoder = llm.llm_engine.executor.driver_worker.model.language_model
+    model = llm.llm_engine.executor.driver_worker.model
+    decoder = getattr(model, "language_model", None) or model.text_model  # Idefics3: text_model
     recorder = FeatureRecorder(decoder, aux_layers)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     sequences = []

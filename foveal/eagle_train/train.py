@@ -106,6 +106,13 @@ def sequence_loss(graph: Eagle3Graph, seq: Sequence, embed: torch.nn.Module,
     return loss, stats
 
 
+def _takes_video(target: str) -> bool:
+    from foveal.multimodal.processors import get_processor_family
+
+    family = get_processor_family(model_config_from_hf(target).model_type)
+    return getattr(family.video_processor_class.from_pretrained(target), "takes_video", True)
+
+
 def train_eagle(target: str, out: str | Path, cfg: EagleTrainConfig) -> Path:
     from tqdm import tqdm
 
@@ -122,13 +129,14 @@ def train_eagle(target: str, out: str | Path, cfg: EagleTrainConfig) -> Path:
         sequences = torch.load(data_path, weights_only=False)
     else:
         conversations = (load_conversations(cfg.prompts)[:cfg.num_prompts] if cfg.prompts
-                         else task_conversations(cfg.num_prompts))
+                         else task_conversations(cfg.num_prompts, video=_takes_video(target)))
         sequences = generate_sequences(target, aux, conversations, cfg.max_tokens,
                                        cfg.ignore_eos)
         torch.save(sequences, data_path)
     vocab = draft_vocabulary(sequences, text.vocab_size, cfg.draft_vocab_size)
     graph = Eagle3Graph(head_config(text, cfg, len(vocab)))
     embedding, lm_head = _target_embedding_and_head(iterate_checkpoint(target), text)
+    embedding = embedding * _input_embedding_scale(model_config_from_hf(target))
     graph.set_draft_vocab(vocab, lm_head)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     graph.to(device)
@@ -191,6 +199,12 @@ def _lr(step: int, cfg: EagleTrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _input_embedding_scale(model_config) -> float:
+    """What the target multiplies a token's embedding by before its first layer, so the head
+    trains on the embeddings it is served with (`embed_input_ids`): Gemma 3, sqrt(hidden)."""
+    return model_config.text.hidden_size ** 0.5 if model_config.model_type == "gemma3" else 1.0
 
 
 def _target_embedding_and_head(weights, text) -> tuple[torch.Tensor, torch.Tensor]:

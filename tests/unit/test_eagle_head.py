@@ -202,18 +202,44 @@ def test_prompts_file_lines_become_conversations_and_bad_lines_name_their_line(t
         load_conversations(str(bad))
 
 
-def test_recorded_features_cover_every_fed_token(tiny_checkpoints):
+@pytest.mark.parametrize("preset", ["tiny-qwen2-vl", "tiny-gemma3", "tiny-idefics3"])
+def test_recorded_features_cover_every_fed_token(tiny_checkpoints, preset):
     """One row per token the target was fed (prompt + answer but its last token),
-    with the positions of the decoder's own forward."""
+    with the positions of the decoder's own forward, on decoders of every layout."""
     from foveal.eagle_train.data import generate_sequences
+    from foveal.loader.hf_config import model_config_from_hf
 
+    path = tiny_checkpoints(preset)
+    hidden = model_config_from_hf(path).text.hidden_size
     conversations = [[{"role": "user", "content": f"count to {n}"}] for n in (3, 12)]
-    sequences = generate_sequences(tiny_checkpoints("tiny-qwen2-vl"), (0, 1, 1), conversations,
-                                   max_tokens=6, ignore_eos=True)
+    sequences = generate_sequences(path, (0, 1, 1), conversations, max_tokens=6, ignore_eos=True)
     for seq in sequences:
         assert len(seq.token_ids) == seq.answer_start + 6
-        assert seq.features.shape == (len(seq.token_ids) - 1, 3 * HIDDEN)
-        assert seq.positions.shape == (3, len(seq.token_ids))
-        assert torch.equal(seq.positions[0], torch.arange(len(seq.token_ids)))  # text only
+        assert seq.features.shape == (len(seq.token_ids) - 1, 3 * hidden)
+        assert seq.positions.shape[-1] == len(seq.token_ids)
+        assert torch.equal(seq.positions.reshape(-1, len(seq.token_ids))[0],
+                           torch.arange(len(seq.token_ids)))  # text only
         # layer 1's input appears twice: the recorder concatenates in the order asked
-        assert torch.equal(seq.features[:, HIDDEN:2 * HIDDEN], seq.features[:, 2 * HIDDEN:])
+        assert torch.equal(seq.features[:, hidden:2 * hidden], seq.features[:, 2 * hidden:])
+        assert not torch.equal(seq.features[:, :hidden], seq.features[:, hidden:2 * hidden])
+
+
+def test_training_prompts_skip_clips_for_a_target_without_video(tiny_checkpoints):
+    from foveal.eagle_train.data import task_conversations
+    from foveal.eagle_train.train import _input_embedding_scale, _takes_video
+    from foveal.loader.hf_config import model_config_from_hf
+
+    def has_video(conversation) -> bool:
+        return any(part.get("type", "").startswith("video") for turn in conversation
+                   for part in (turn["content"] if isinstance(turn["content"], list) else []))
+
+    every = task_conversations(24)
+    images_only = task_conversations(24, video=False)
+    assert any(has_video(c) for c in every) and not any(has_video(c) for c in images_only)
+    assert len(images_only) == 24
+    gemma, qwen = tiny_checkpoints("tiny-gemma3"), tiny_checkpoints("tiny-qwen2-vl")
+    assert not _takes_video(gemma) and _takes_video(qwen)
+    # Gemma 3 feeds its decoder sqrt(hidden)-scaled embeddings: the head trains on those
+    hidden = model_config_from_hf(gemma).text.hidden_size
+    assert _input_embedding_scale(model_config_from_hf(gemma)) == hidden ** 0.5
+    assert _input_embedding_scale(model_config_from_hf(qwen)) == 1.0
