@@ -154,7 +154,8 @@ def test_onevision_video_and_image_prompt_matches_transformers(tmp_path):
     import transformers
 
     from foveal.multimodal.processors.llava_family import processor_from_checkpoint
-    from tests.models.test_llava_parity import _hf_greedy, _hf_inputs
+    from tests.models.hf_reference import hf_greedy
+    from tests.models.test_llava_parity import _hf_inputs
 
     path = write_checkpoint("llava_onevision", tmp_path / "ov")
     rng = np.random.default_rng(5)
@@ -171,7 +172,7 @@ def test_onevision_video_and_image_prompt_matches_transformers(tmp_path):
     videos = torch.from_numpy(np.stack([normalize(f) for f in frames])).permute(0, 3, 1, 2)[None]
     hf = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     inputs = {**_hf_inputs("llava_onevision", [picture]), "pixel_values_videos": videos}
-    tokens, logprobs = _hf_greedy(hf, output.prompt_token_ids, inputs, 6)
+    tokens, logprobs = hf_greedy(hf, output.prompt_token_ids, inputs, 6)
     completion = output.outputs[0]
     assert list(completion.token_ids) == tokens
     np.testing.assert_allclose([s[t].logprob for s, t in zip(completion.logprobs, tokens)], logprobs,
