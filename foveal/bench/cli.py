@@ -12,6 +12,7 @@ from pathlib import Path
 from foveal.bench.kv_cache import register_kv_cache
 from foveal.bench.model_source import add_model_source_args, model_dir_from_args
 from foveal.bench.multiturn import register_multiturn
+from foveal.bench.peer import register_peer
 from foveal.bench.serve import register_serve
 from foveal.bench.soak import register_soak
 from foveal.bench.stages import register_stages
@@ -113,3 +114,4 @@ def register(subparsers) -> None:
     register_video(bench_commands)
     register_kv_cache(bench_commands)
     register_sweep(bench_commands)
+    register_peer(bench_commands)

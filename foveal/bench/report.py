@@ -47,7 +47,8 @@ class ThroughputResult:
     wall_s: float
     records: list[RequestRecord]
     batch_size: int | None = None  # static batch size (the HF baseline only)
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # more summary entries
+    token_ids: list[list[int]] = field(default_factory=list)  # each request's output, if kept
 
     def summary(self) -> dict:
         prompt_tokens = sum(r.prompt_len for r in self.records)

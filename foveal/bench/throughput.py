@@ -25,17 +25,24 @@ class ThroughputPlan:
 
 
 def run_foveal(model_dir: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
-               engine_kwargs: dict[str, Any]) -> ThroughputResult:
-    """Load the engine, warm it up, then time one `generate()` over every request."""
+               engine_kwargs: dict[str, Any], one_at_a_time: bool = False,
+               system: str = "foveal") -> ThroughputResult:
+    """Load the engine, warm it up, then time one `generate()` over every request (or,
+    one_at_a_time, one `generate()` per request, each timed from its own submission)."""
     from foveal import LLM
 
     llm = LLM(model=str(model_dir), **engine_kwargs)
     try:
         llm.generate([warmup.to_prompt()], _sampling_params([warmup.output_len]), use_tqdm=False)
-        start, submitted_at = time.perf_counter(), time.time()
-        outputs = llm.generate([r.to_prompt() for r in requests],
-                               _sampling_params([r.output_len for r in requests]),
-                               use_tqdm=False)
+        start = time.perf_counter()
+        batches = [[r] for r in requests] if one_at_a_time else [list(requests)]
+        outputs, submitted = [], []
+        for batch in batches:
+            submitted_at = time.time()
+            outputs += llm.generate([r.to_prompt() for r in batch],
+                                    _sampling_params([r.output_len for r in batch]),
+                                    use_tqdm=False)
+            submitted += [submitted_at] * len(batch)
         wall = time.perf_counter() - start
         extra = {"cached_prompt_tokens": sum(output.num_cached_tokens for output in outputs)}
         if engine_kwargs.get("speculative_config"):  # counters include the warm-up request
@@ -46,8 +53,9 @@ def run_foveal(model_dir: Path, requests: Sequence[BenchRequest], warmup: BenchR
         del llm
         _release_memory()
     records = [_record(output, request.output_len, submitted_at)
-               for output, request in zip(outputs, requests)]
-    return ThroughputResult("foveal", wall, records, extra=extra)
+               for output, request, submitted_at in zip(outputs, requests, submitted)]
+    return ThroughputResult(system, wall, records, extra=extra,
+                            token_ids=[list(output.outputs[0].token_ids) for output in outputs])
 
 
 def _sampling_params(output_lens: Sequence[int]) -> list:
