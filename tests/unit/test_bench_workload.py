@@ -138,7 +138,7 @@ def _scaffold(folder, preset: str) -> dict:
     from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
 
     config = get_preset(preset)
-    special = write_tiny_tokenizer(folder)
+    write_tiny_tokenizer(folder)
     (folder / "config.json").write_text(json.dumps(config))
     return config
 
