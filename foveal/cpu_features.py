@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",
-          "avx512_fp16", "amx_fp16")
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16",
+          "amx_int8", "avx512_fp16", "amx_fp16")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class CPUFeatures:
     def native_bf16(self) -> bool:
         """bf16 matmuls in hardware: AVX-512 BF16 dot products or AMX tiles."""
         return bool(self.flags & {"avx512_bf16", "amx_bf16"})
+
+    @property
+    def int8_dot(self) -> bool:
+        """int8 dot products in hardware (VNNI or AMX), which oneDNN's exact int8 GEMM
+        needs to be fast; without them `torch._int_mm` runs a slow generic loop."""
+        return bool(self.flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
     @property
     def amx(self) -> bool:

@@ -94,6 +94,10 @@ class EngineArgs:
             from foveal.cpu_features import cpu_features
 
             logger.info("CPU: %s; dtype %s -> %s", cpu_features().describe(), self.dtype, dtype)
+            if quantization == "int8":
+                from foveal.layers.quantization import int8_kernel
+
+                logger.info("int8 weights: the %s kernel", int8_kernel())
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size,

@@ -164,7 +164,8 @@ def apply_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -
     """x W^T + b with the layer's weight: its int8 copy (--quantization int8) or
     its oneDNN-blocked copy when it has one."""
     if getattr(layer, "int8_weight", None) is not None:
-        return int8_linear(x, layer.int8_weight, layer.int8_scale, bias)
+        return int8_linear(x, layer.int8_weight, layer.int8_scale, bias,
+                           getattr(layer, "int8_fbgemm", None))
     if layer.packed_weight is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias,
                                                   "none", [], "")

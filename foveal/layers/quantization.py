@@ -17,8 +17,23 @@ quantizes the head as well, as llama.cpp's q8_0 files do: with a large
 vocabulary it is the biggest single weight each decode step reads. Measured (9,728 x 896 weights read
 from memory, 2 threads, AMD EPYC with avx512_vnni; scripts/bench_linear_kernels.py):
 3.4x fp32's oneDNN GEMM at one row, 2.6x at 256 rows, 2.0x at 1,024.
+
+The kernel depends on the CPU (`int8_kernel`). The exact per-token GEMM needs int8
+dot-product instructions (VNNI or AMX); without them `torch._int_mm` falls back to a
+generic loop, measured on an AVX2-only AMD EPYC at 2x slower than fp32 at one row and
+22x at 256 rows. There the layer runs FBGEMM's dynamic int8 linear instead (AVX2
+u8 x s8 kernels; 4.3x faster than fp32 at one row, 1.8x at 256): its activations are
+quantized per call, not per token, with one scale over the call's rows and 7-bit
+values (`reduce_range`, which keeps AVX2's paired 16-bit sums from saturating). So on
+such CPUs a token's output can depend on the other tokens of its step, as with batched
+float kernels elsewhere; the exact kernel keeps batch invariance and can be asked for
+with FOVEAL_INT8_KERNEL=exact.
 """
 from __future__ import annotations
+
+import functools
+import os
+import warnings
 
 import torch
 from torch import nn
@@ -43,6 +58,33 @@ def check_quantization(method: str | None, device: str) -> str | None:
     return method
 
 
+INT8_KERNELS = ("exact", "fbgemm")
+
+
+@functools.cache
+def int8_kernel() -> str:
+    """"exact" (per-token W8A8 on `torch._int_mm`) where the CPU has int8 dot products,
+    "fbgemm" (dynamic per-call activations) elsewhere; FOVEAL_INT8_KERNEL overrides."""
+    from foveal.cpu_features import cpu_features
+
+    choice = os.environ.get("FOVEAL_INT8_KERNEL", "auto").lower()
+    if choice not in ("auto", *INT8_KERNELS):
+        raise ConfigError(f"FOVEAL_INT8_KERNEL={choice!r}; expected auto, exact or fbgemm")
+    if choice == "auto":
+        fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+        choice = "exact" if cpu_features().int8_dot or not fbgemm else "fbgemm"
+    return choice
+
+
+def pack_fbgemm(qweight: torch.Tensor, scale: torch.Tensor):
+    """FBGEMM's packed form of a per-channel symmetric int8 weight."""
+    with warnings.catch_warnings():  # quantized tensors are deprecated; FBGEMM still takes them
+        warnings.simplefilter("ignore")
+        per_channel = torch._make_per_channel_quantized_tensor(
+            qweight, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(per_channel, None)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, float32 scale per row): weight ~= q * scale[:, None]."""
     weight = weight.detach().float()
@@ -51,16 +93,20 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b with W = qweight * scale, x quantized per row on the fly."""
+                bias: torch.Tensor | None, fbgemm_weight=None) -> torch.Tensor:
+    """x W^T + b with W = qweight * scale: x quantized per row on the fly, or, given
+    the weight's FBGEMM packing, FBGEMM's dynamic int8 linear."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1]).float()
     if rows.shape[0] == 0:
         return x.new_empty(*shape[:-1], qweight.shape[0])
-    row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / _INT8_MAX
-    quantized = torch.round(rows / row_scale).to(torch.int8)
-    out = torch._int_mm(quantized, qweight.t()).float()  # exact int32 accumulation
-    out.mul_(row_scale).mul_(scale)
+    if fbgemm_weight is not None:
+        out = torch.ops.quantized.linear_dynamic(rows.contiguous(), fbgemm_weight, True)
+    else:
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / _INT8_MAX
+        quantized = torch.round(rows / row_scale).to(torch.int8)
+        out = torch._int_mm(quantized, qweight.t()).float()  # exact int32 accumulation
+        out.mul_(row_scale).mul_(scale)
     if bias is not None:
         out.add_(bias.float())
     return out.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
@@ -77,6 +123,7 @@ def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False
     from foveal.layers.embed_head import ParallelLMHead
     from foveal.layers.linear import LinearBase
 
+    kernel = int8_kernel()
     count = 0
     for module in model.modules():
         head = lm_head and isinstance(module, ParallelLMHead)
@@ -85,6 +132,8 @@ def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False
         if module.weight.numel() == 0:
             continue
         module.int8_weight, module.int8_scale = quantize_int8(module.weight)
+        module.int8_fbgemm = (pack_fbgemm(module.int8_weight, module.int8_scale)
+                              if kernel == "fbgemm" else None)
         if not head:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         count += 1

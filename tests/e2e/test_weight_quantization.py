@@ -1,6 +1,6 @@
-"""--quantization int8 (W8A8, dynamic per-token activations): the kernel against
-float math, batch invariance, accuracy against the float model by teacher
-forcing, every cache feature giving the same answers as a plain int8 run, and
+"""--quantization int8 (W8A8, dynamic activations; the exact per-token kernel or
+FBGEMM's, by CPU): the kernels against float math, the choice, batch invariance,
+accuracy against the float model by teacher forcing, every cache feature giving the same answers as a plain int8 run, and
 the configurations it refuses."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from foveal.bench.kv_accuracy import agreement, reference_run
 from foveal.bench.workload import PromptVocab, WorkloadSpec, build_workload
 from foveal.errors import ConfigError
 from foveal.layers.linear import LinearBase, ReplicatedLinear, apply_linear
-from foveal.layers.quantization import check_quantization, int8_linear, quantize_int8
+from foveal.layers.quantization import (check_quantization, int8_kernel, int8_linear, pack_fbgemm,
+                                        quantize_int8)
 from tests.e2e.test_multimodal_caching import image, same, user
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -26,18 +27,48 @@ def checkpoint(tiny_checkpoints) -> str:
     return tiny_checkpoints("tiny-qwen2-vl")
 
 
-def test_int8_linear_matches_float_math_within_quantization_error():
+@pytest.fixture
+def int8_kernel_is(monkeypatch):
+    """Pins the int8 kernel (the engine picks one by CPU) for one test."""
+    def pin(kernel: str) -> None:
+        monkeypatch.setenv("FOVEAL_INT8_KERNEL", kernel)
+        int8_kernel.cache_clear()
+    yield pin
+    int8_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("kernel,tolerance", [("exact", 0.02), ("fbgemm", 0.04)])
+def test_int8_linear_matches_float_math_within_quantization_error(kernel, tolerance):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 72) * 0.05, torch.randn(96)
     x = torch.randn(2, 5, 72)
     qweight, scale = quantize_int8(weight)
+    packed = pack_fbgemm(qweight, scale) if kernel == "fbgemm" else None
     assert qweight.dtype == torch.int8 and qweight.abs().max() == 127
-    got, want = int8_linear(x, qweight, scale, bias), x @ weight.T + bias
+    got, want = int8_linear(x, qweight, scale, bias, packed), x @ weight.T + bias
     assert got.shape == want.shape == (2, 5, 96)
     error = (got - want).abs().max() / want.abs().max()
-    assert 0 < error < 0.02
-    assert int8_linear(x.bfloat16(), qweight, scale, bias).dtype == torch.bfloat16
-    assert int8_linear(x[:, :0], qweight, scale, None).shape == (2, 0, 96)
+    assert 0 < error < tolerance
+    assert int8_linear(x.bfloat16(), qweight, scale, bias, packed).dtype == torch.bfloat16
+    assert int8_linear(x[:, :0], qweight, scale, None, packed).shape == (2, 0, 96)
+
+
+def test_the_kernel_follows_the_cpus_int8_instructions(monkeypatch, int8_kernel_is):
+    from foveal import cpu_features as features
+
+    def cpu(*flags):
+        return features.CPUFeatures("test CPU", frozenset({"avx2", *flags}), "AVX2")
+
+    for flags, expected in ((("avx512_vnni",), "exact"), (("avx_vnni",), "exact"),
+                            (("amx_int8",), "exact"), ((), "fbgemm")):
+        monkeypatch.setattr(features, "cpu_features", lambda flags=flags: cpu(*flags))
+        int8_kernel_is("auto")
+        assert int8_kernel() == expected, flags
+    int8_kernel_is("exact")
+    assert int8_kernel() == "exact"  # no VNNI, but asked for
+    int8_kernel_is("int4")
+    with pytest.raises(ConfigError, match="FOVEAL_INT8_KERNEL"):
+        int8_kernel()
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
@@ -86,7 +117,9 @@ def test_quantize_lm_head_gives_the_head_an_int8_copy(checkpoint):
     assert 0 < (logits - dense).abs().max() < 0.05 * dense.abs().max()
 
 
-def test_teacher_forced_agreement_with_float_weights(checkpoint):
+@pytest.mark.parametrize("kernel", ["exact", "fbgemm"])
+def test_teacher_forced_agreement_with_float_weights(checkpoint, kernel, int8_kernel_is):
+    int8_kernel_is(kernel)
     spec = WorkloadSpec(num_prompts=3, images_per_prompt=1, image_size=(112, 84), input_len=16,
                         output_len=96, output_len_range=0.0, seed=3)
     prompts = [r.to_prompt() for r in build_workload(spec, PromptVocab.from_model_dir(checkpoint))]
@@ -104,7 +137,8 @@ def test_teacher_forced_agreement_with_float_weights(checkpoint):
     assert with_head.mean_abs_logit_diff != result.mean_abs_logit_diff  # the head is quantized
 
 
-def test_chunked_prefill_and_cache_hits_give_a_plain_int8_runs_answers(checkpoint):
+def test_chunked_prefill_and_cache_hits_give_a_plain_int8_runs_answers(checkpoint, int8_kernel_is):
+    int8_kernel_is("exact")  # FBGEMM's activation scale spans the step's rows
     options = dict(quantization="int8", max_model_len=512, kv_cache_memory_bytes=16 << 20)
     plain = LLM(model=checkpoint, enable_prefix_caching=False, **options)
     cached = LLM(model=checkpoint, max_num_batched_tokens=24, **options)
