@@ -96,7 +96,10 @@ class ViTEmbeddings(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         B, C, H, W = pixel_values.shape
         P = self.patch_size
-        patches = pixel_values.view(B, C, H // P, P, W // P, P).permute(0, 2, 4, 1, 3, 5)
+        # A stride-P conv drops the pixels past the last whole patch (SigLIP-so400m reads
+        # 384-pixel images as 27 x 27 patches of 14, i.e. 378 pixels): crop them the same way.
+        pixel_values = pixel_values[:, :, :H // P * P, :W // P * P]
+        patches = pixel_values.reshape(B, C, H // P, P, W // P, P).permute(0, 2, 4, 1, 3, 5)
         patches = patches.reshape(B, (H // P) * (W // P), C * P * P)  # (B, N, C*P*P)
         x = self.patch_embedding(patches.to(self.patch_embedding.weight.dtype))  # (B, N, hidden)
         if self.class_token:

@@ -20,6 +20,11 @@ _CASES = {
     "siglip": (SiglipVisionConfig, SiglipVisionModel,
                dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
                     image_size=42, patch_size=14, vision_use_head=False)),
+    # the image side is no multiple of the patch (SigLIP-so400m: 384 = 27 x 14 + 6)
+    "siglip_remainder": (SiglipVisionConfig, SiglipVisionModel,
+                         dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=48, patch_size=14,
+                              vision_use_head=False)),
 }
 
 
