@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Each model family's real-shape preset (random weights, built once into the cache) against
 # transformers on the same checkpoint folder and workload, one family after another:
-#   batch1.json      Foveal alone, one request at a time (--max-num-seqs 1): TTFT and decode
+#   batch1.json      Foveal on one request alone: TTFT and decode
 #   throughput.json  Foveal (continuous batching) and transformers' generate() at static
 #                    batch sizes 1 and N over the same N requests
 # Usage: scripts/bench_families.sh [OUT_DIR] [PRESET:IMAGE_SIZE ...]
@@ -19,10 +19,9 @@ for entry in "${entries[@]}"; do
   preset=${entry%%:*}
   size=${entry#*:}
   common=(--dummy "$preset" --images-per-prompt 1 --image-size "$size" --image-size-range 0
-          --input-len 32 --output-len 32)
+          --input-len 32 --output-len 32 --max-model-len 4096)
   echo "== $preset ($size)"
-  foveal bench throughput "${common[@]}" --num-prompts 2 --max-num-seqs 1 \
-    --json "$out/$preset-batch1.json"
+  foveal bench throughput "${common[@]}" --num-prompts 1 --json "$out/$preset-batch1.json"
   foveal bench throughput "${common[@]}" --num-prompts "$num_prompts" \
     --baseline hf --hf-batch-sizes "1,$num_prompts" --json "$out/$preset-throughput.json"
 done
