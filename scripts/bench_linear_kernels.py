@@ -1,7 +1,9 @@
 """Per-call time of one linear layer on this CPU: fp32 `F.linear` (MKL) vs the
 oneDNN-blocked weights Foveal uses (`foveal.layers.linear.prepack_weights`),
 in fp32 and in bf16 (which Foveal packs only where the CPU has bf16 instructions),
-and the int8 W8A8 GEMM of `--quantization int8` (`foveal.layers.quantization`).
+and the two int8 W8A8 kernels of `--quantization int8` (`foveal.layers.quantization`):
+the exact per-token GEMM (`torch._int_mm`, fast with VNNI / AMX) and FBGEMM's dynamic
+linear (the choice on CPUs without them).
 
 Each kernel cycles through COPIES different weights, so (as in a decode step,
 which reads every layer once) the weights come from memory, not from the cache.
@@ -34,15 +36,19 @@ def median_ms(fn, weights) -> float:
 
 def main() -> None:
     from foveal.cpu_features import cpu_features
-    from foveal.layers.quantization import int8_linear, quantize_int8
+    from foveal.layers.quantization import int8_kernel, int8_linear, pack_fbgemm, quantize_int8
 
-    print(cpu_features().describe(), f"{torch.get_num_threads()} threads")
+    print(cpu_features().describe(), f"{torch.get_num_threads()} threads; "
+          f"--quantization int8 runs the {int8_kernel()} kernel here")
     weights = [torch.randn(OUT_FEATURES, IN_FEATURES) * 0.02 for _ in range(COPIES)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    packed_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in weights]
+    # oneDNN packs bf16 weights only where the CPU has bf16 (or AVX-512 BW/VL/DQ) support
+    packed_bf16 = ([torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in weights]
+                   if cpu_features().native_bf16 else None)
     quantized = [quantize_int8(w) for w in weights]
+    fbgemm = [(q, s, pack_fbgemm(q, s)) for q, s in quantized]
     print(f"{'M':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'bf16 oneDNN ms':>15} "
-          f"{'int8 W8A8 ms':>13} {'int8 vs oneDNN':>15}")
+          f"{'int8 exact ms':>14} {'int8 FBGEMM ms':>15}")
     for rows in (1, 2, 4, 8, 32, 256, 1024):
         x = torch.randn(rows, IN_FEATURES)
         x_bf16 = x.bfloat16()
@@ -50,10 +56,11 @@ def main() -> None:
         blocked = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
             x, p, None, "none", [], ""), packed)
         half = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
-            x_bf16, p, None, "none", [], ""), packed_bf16)
-        int8 = median_ms(lambda q: int8_linear(x, q[0], q[1], None), quantized)
-        print(f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {half:>15.2f} {int8:>13.2f} "
-              f"{blocked / int8:>14.2f}x")
+            x_bf16, p, None, "none", [], ""), packed_bf16) if packed_bf16 else float("nan")
+        exact = median_ms(lambda q: int8_linear(x, q[0], q[1], None), quantized)
+        dynamic = median_ms(lambda q: int8_linear(x, q[0], q[1], None, q[2]), fbgemm)
+        print(f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {half:>15.2f} {exact:>14.2f} "
+              f"{dynamic:>15.2f}")
 
 
 if __name__ == "__main__":
