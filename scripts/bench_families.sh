@@ -5,7 +5,7 @@
 #   throughput.json  Foveal (continuous batching) and transformers' generate() at static
 #                    batch sizes 1 and N over the same N requests
 # Usage: scripts/bench_families.sh [OUT_DIR] [PRESET:IMAGE_SIZE ...]
-# The defaults fit a 24 GiB, 2-core machine in about half an hour.
+# The defaults fit a 24 GiB, 2-core machine and take about an hour on 2 cores.
 set -euo pipefail
 out=${1:-bench_families}
 shift || true

@@ -188,7 +188,9 @@ def prepack_weights(model: nn.Module) -> int:
         return 0
     from foveal.cpu_features import cpu_features
 
-    dtypes = (torch.float32, torch.bfloat16) if cpu_features().native_bf16 else (torch.float32,)
+    # oneDNN packs bf16 only on CPUs with bf16 (or AVX-512 BW/VL/DQ) support: ask it too
+    bf16 = cpu_features().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
