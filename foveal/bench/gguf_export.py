@@ -43,11 +43,10 @@ def export_gguf(model_dir: str | Path, out_dir: str | Path, weights: str = "f32"
     out_dir.mkdir(parents=True, exist_ok=True)
     vision_weights = "f32" if weights == "f32" else "f16"
     files = GGUFFiles(out_dir / f"model-{weights}.gguf", out_dir / f"mmproj-{vision_weights}.gguf")
-    tensors = dict(_checkpoint_tensors(model_dir))
     if not files.model.exists():
-        _write_language_model(gguf, model_dir, config, tensors, weights, files.model)
+        _write_language_model(gguf, model_dir, config, weights, files.model)
     if not files.mmproj.exists():
-        _write_mmproj(gguf, model_dir, config, tensors, vision_weights, files.mmproj)
+        _write_mmproj(gguf, model_dir, config, vision_weights, files.mmproj)
     return files
 
 
@@ -58,21 +57,16 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
-def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, fp32 array) for every tensor, with transformers' layout prefixes folded to
-    the original checkpoint names (`model.layers.*`, `visual.*`, `lm_head.*`)."""
-    from safetensors import safe_open
+def _checkpoint_tensors(model_dir: Path, visual: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, fp32 array) for the vision tower's tensors (visual) or the language model's,
+    with transformers' layout prefixes folded to the original checkpoint names
+    (`model.layers.*`, `visual.*`, `lm_head.*`)."""
+    from foveal.loader.weights import iterate_checkpoint
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no .safetensors files in {model_dir}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                array = handle.get_tensor(name).float().numpy()
-                name = name.replace("model.language_model.", "model.")
-                name = name.replace("model.visual.", "visual.")
-                yield name, array
+    for name, tensor in iterate_checkpoint(str(model_dir)):
+        name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+        if name.startswith("visual.") == visual:
+            yield name, tensor.float().numpy()
 
 
 def _tensor_type(gguf, array: np.ndarray, weights: str):
@@ -107,8 +101,7 @@ def _finish(writer) -> None:
     writer.close()
 
 
-def _write_language_model(gguf, model_dir: Path, config: dict, tensors: dict[str, np.ndarray],
-                          weights: str, path: Path) -> None:
+def _write_language_model(gguf, model_dir: Path, config: dict, weights: str, path: Path) -> None:
     text = {**config, **config.get("text_config", {})}
     rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
     layers = int(text["num_hidden_layers"])
@@ -128,9 +121,7 @@ def _write_language_model(gguf, model_dir: Path, config: dict, tensors: dict[str
     writer.add_layer_norm_rms_eps(float(text.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(_file_type(gguf, weights))
     _add_vocab(gguf, writer, model_dir, int(text["vocab_size"]))
-    for name, array in tensors.items():
-        if name.startswith("visual."):
-            continue
+    for name, array in _checkpoint_tensors(model_dir, visual=False):
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise CheckpointError(f"no GGUF name for the language-model tensor {name}")
@@ -163,8 +154,7 @@ def _add_vocab(gguf, writer, model_dir: Path, vocab_size: int) -> None:
     gguf.SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
 
 
-def _write_mmproj(gguf, model_dir: Path, config: dict, tensors: dict[str, np.ndarray],
-                  weights: str, path: Path) -> None:
+def _write_mmproj(gguf, model_dir: Path, config: dict, weights: str, path: Path) -> None:
     vision = config["vision_config"]
     text = {**config, **config.get("text_config", {})}
     qwen25 = config["model_type"] == "qwen2_5_vl"
@@ -206,9 +196,7 @@ def _write_mmproj(gguf, model_dir: Path, config: dict, tensors: dict[str, np.nda
                                   f"this checkpoint's window_size is {vision['window_size']}")
     else:
         writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
-    for name, array in tensors.items():
-        if not name.startswith("visual."):
-            continue
+    for name, array in _checkpoint_tensors(model_dir, visual=True):
         for gguf_name, part in _vision_tensors(names, name, array):
             qtype = _tensor_type(gguf, part, weights)
             if ".position_embd." in gguf_name:

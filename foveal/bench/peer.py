@@ -120,10 +120,7 @@ class LlamaCpp:
         """Encodes one image and decodes its embeddings at the next positions; returns
         its token count."""
         mtmd = self._mtmd_cpp
-        pixels = np.array(image.convert("RGB"), dtype=np.uint8)  # a writable copy
-        height, width = pixels.shape[:2]
-        buffer = (ctypes.c_ubyte * pixels.size).from_buffer(pixels)
-        bitmap = mtmd.mtmd_bitmap_init(width, height, buffer)
+        bitmap = self._bitmap(np.array(image.convert("RGB"), dtype=np.uint8))
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             chunk = self._image_chunk(chunks, bitmap)
@@ -139,6 +136,12 @@ class LlamaCpp:
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
+
+    def _bitmap(self, pixels: np.ndarray):
+        """An mtmd bitmap of (H, W, 3) uint8 pixels (mtmd copies them)."""
+        height, width = pixels.shape[:2]
+        buffer = (ctypes.c_ubyte * pixels.size).from_buffer(pixels)  # needs a writable array
+        return self._mtmd_cpp.mtmd_bitmap_init(width, height, buffer)
 
     def _tokenize_marker(self, chunks, bitmaps: list) -> list:
         mtmd = self._mtmd_cpp
@@ -163,10 +166,9 @@ class LlamaCpp:
 
     def _image_wrapping(self) -> tuple[list[int], list[int]]:
         """The text tokens mtmd puts before and after an image (for Qwen2-VL its
-        vision start and end tokens), read from a one-pixel-image prompt."""
+        vision start and end tokens), read from the prompt of one 28x28 black image."""
         mtmd = self._mtmd_cpp
-        pixels = np.zeros((28, 28, 3), dtype=np.uint8)
-        bitmap = mtmd.mtmd_bitmap_init(28, 28, (ctypes.c_ubyte * pixels.size).from_buffer(pixels))
+        bitmap = self._bitmap(np.zeros((28, 28, 3), dtype=np.uint8))
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             parts, seen_image = ([], []), False
