@@ -36,15 +36,15 @@ def median_ms(fn, weights) -> float:
 
 def main() -> None:
     from foveal.cpu_features import cpu_features
+    from foveal.layers.linear import packs_bf16
     from foveal.layers.quantization import int8_kernel, int8_linear, pack_fbgemm, quantize_int8
 
     print(cpu_features().describe(), f"{torch.get_num_threads()} threads; "
           f"--quantization int8 runs the {int8_kernel()} kernel here")
     weights = [torch.randn(OUT_FEATURES, IN_FEATURES) * 0.02 for _ in range(COPIES)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    # oneDNN packs bf16 weights only where the CPU has bf16 (or AVX-512 BW/VL/DQ) support
     packed_bf16 = ([torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in weights]
-                   if cpu_features().native_bf16 else None)
+                   if packs_bf16() else None)
     quantized = [quantize_int8(w) for w in weights]
     fbgemm = [(q, s, pack_fbgemm(q, s)) for q, s in quantized]
     print(f"{'M':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'bf16 oneDNN ms':>15} "

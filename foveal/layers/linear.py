@@ -172,6 +172,15 @@ def apply_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -
     return F.linear(x, layer.weight, bias)
 
 
+def packs_bf16() -> bool:
+    """Whether bf16 layers get oneDNN-blocked weights here: the CPU has bf16 instructions
+    (elsewhere the blocked GEMM is emulated, and slow) and oneDNN can build the layout
+    (it also needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    from foveal.cpu_features import cpu_features
+
+    return cpu_features().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def prepack_weights(model: nn.Module) -> int:
     """Give every float32 CPU linear layer (and the LM head) a oneDNN-blocked copy
     of its weight, used by forward() from then on; returns how many were packed.
@@ -186,11 +195,7 @@ def prepack_weights(model: nn.Module) -> int:
     """
     if not torch.backends.mkldnn.is_available():
         return 0
-    from foveal.cpu_features import cpu_features
-
-    # oneDNN packs bf16 only on CPUs with bf16 (or AVX-512 BW/VL/DQ) support: ask it too
-    bf16 = cpu_features().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    dtypes = (torch.float32, torch.bfloat16) if packs_bf16() else (torch.float32,)
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)

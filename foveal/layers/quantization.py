@@ -20,9 +20,10 @@ from memory, 2 threads, AMD EPYC with avx512_vnni; scripts/bench_linear_kernels.
 
 The kernel depends on the CPU (`int8_kernel`). The exact per-token GEMM needs int8
 dot-product instructions (VNNI or AMX); without them `torch._int_mm` falls back to a
-generic loop, measured on an AVX2-only AMD EPYC at 2x slower than fp32 at one row and
-22x at 256 rows. There the layer runs FBGEMM's dynamic int8 linear instead (AVX2
-u8 x s8 kernels; 4.3x faster than fp32 at one row, 1.8x at 256): its activations are
+generic loop, measured on an AVX2-only AMD EPYC at 3.2x slower than fp32's oneDNN GEMM
+at one row and 26x at 256 rows. There the layer runs FBGEMM's dynamic int8 linear instead
+(AVX2 u8 x s8 kernels; 2.9x faster than fp32's oneDNN GEMM at one row, 2.0x at 256;
+scripts/bench_linear_kernels.py, docs/benchmarks.md): its activations are
 quantized per call, not per token, with one scale over the call's rows and 7-bit
 values (`reduce_range`, which keeps AVX2's paired 16-bit sums from saturating). So on
 such CPUs a token's output can depend on the other tokens of its step, as with batched
