@@ -221,3 +221,4 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # online weight quantization: "int8" (W8A8 dynamic)
     quantize_lm_head: bool = False  # with int8: the LM head too (an int8 copy; a tied embedding stays)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps

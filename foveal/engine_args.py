@@ -47,6 +47,7 @@ class EngineArgs:
     speculative_config: dict | None = None
     quantization: str | None = None  # "int8": W8A8, dynamic per-token activations (CPU)
     quantize_lm_head: bool = False  # with quantization="int8": the LM head as well
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, never as CUDA graphs
     role: str = "mixed"  # disaggregated serving: encode | prefill | decode | mixed
     transfer_host: str = "127.0.0.1"
     transfer_advertise_host: str | None = None
@@ -125,6 +126,7 @@ class EngineArgs:
             seed=self.seed,
             quantization=quantization,
             quantize_lm_head=self.quantize_lm_head,
+            enforce_eager=self.enforce_eager,
         )
 
     def _speculative_config(self, max_model_len: int, text: TextConfig

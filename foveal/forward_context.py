@@ -46,6 +46,9 @@ class AttentionMetadata:
     # both ways (Gemma 3's image tokens); None: causal everywhere. The scheduler
     # never splits one over two steps, so a span's keys are all there.
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # Split count of the decode kernel when it must stay fixed (a CUDA graph);
+    # None: the kernel picks one from the shapes.
+    decode_splits: int | None = None
 
     @classmethod
     def from_arrays(cls, slot_mapping: np.ndarray, query_start_loc: np.ndarray,

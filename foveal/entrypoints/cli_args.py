@@ -85,6 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantization int8: quantize the LM head too (the largest single "
                             "weight a decode step reads; logits move by the int8 rounding)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run every step eagerly (decode steps are otherwise replayed "
+                            "from CUDA graphs captured at start, one per batch size bucket)")
 
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -93,7 +96,8 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_bat
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
                 "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
                 "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend",
-                "mm_encoder_tp_mode", "speculative_config", "quantization", "quantize_lm_head")
+                "mm_encoder_tp_mode", "speculative_config", "quantization", "quantize_lm_head",
+                "enforce_eager")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

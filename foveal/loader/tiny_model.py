@@ -31,8 +31,10 @@ def generation_config(special: dict[str, int]) -> dict:
             "bos_token_id": special["<|endoftext|>"], "do_sample": False}
 
 
-def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: int = 0) -> Path:
-    """Write a complete checkpoint folder for `preset` (atomically)."""
+def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: int = 0,
+                     weights: bool = True) -> Path:
+    """Write a complete checkpoint folder for `preset` (atomically). weights=False
+    writes no safetensors: the folder serves load_format="dummy" (large presets)."""
     from foveal.loader.export import save_hf_checkpoint
     from foveal.loader.presets import get_preset
     from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
@@ -43,8 +45,10 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: i
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        model = build_dummy_model(hf_config, seed=seed)
-        save_hf_checkpoint(model, hf_config, staging)
+        if weights:
+            save_hf_checkpoint(build_dummy_model(hf_config, seed=seed), hf_config, staging)
+        else:
+            write_json(staging / "config.json", hf_config)
         special = write_tiny_tokenizer(staging, vocab_size=min(512, _vocab_size(hf_config)))
         if hf_config.get("model_type") == "qwen3_vl":
             _write_qwen3_vl_files(staging, tiny=preset.startswith("tiny"))

@@ -121,14 +121,17 @@ def _dummy_std(name: str, param: nn.Parameter) -> float | None:
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Deterministic random weights: each tensor seeded by (seed, its name)."""
+    """Deterministic random weights: each tensor seeded by (seed, its name), drawn
+    on the parameter's device (a 7B model on a GPU fills in seconds; CUDA's
+    generator draws other values than the CPU's)."""
     for name, param in model.named_parameters():
         std = _dummy_std(name, param)
         if std is None:
             param.data.fill_(1.0)
             continue
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        values = torch.randn(param.shape, generator=generator) * std
+        generator = torch.Generator(param.device).manual_seed(
+            seed * 1_000_003 + zlib.crc32(name.encode()))
+        values = torch.randn(param.shape, generator=generator, device=param.device) * std
         param.data.copy_(values)
 
 

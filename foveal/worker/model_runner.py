@@ -18,15 +18,19 @@ from foveal.config import EngineConfig
 from foveal.engine.plan import ModelRunnerOutput, NewRequestData, StepPlan, kv_payload_key
 from foveal.forward_context import AttentionMetadata, block_table_array, forward_context
 from foveal.layers.attention.kv_spec import KVCaches
+from foveal.logger import init_logger
 from foveal.multimodal.inputs import ENCODED_KEY, MMFeature
 from foveal.sampling_params import SamplingParams
+from foveal.worker.cuda_graphs import DecodeGraphs, graphs_apply
+from foveal.worker.device import torch_dtype
 from foveal.worker.encoder_connector import EncoderConnectorWorker
 from foveal.worker.encoder_runner import EncoderCache
 from foveal.worker.kv_offload import KVOffloadWorker
-from foveal.worker.device import torch_dtype
 from foveal.worker.sampler import Sampler, request_generator
 from foveal.worker.spec_decode.eagle import EagleProposer
 from foveal.worker.step_sampling import StepSampling
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -84,6 +88,15 @@ class ModelRunner:
         self.sampling = StepSampling(model, Sampler(engine_config.seed, self.device),
                                      engine_config.speculative,
                                      with_token_proposer=draft_head is None)
+        self.decode_graphs: DecodeGraphs | None = None
+        if torch.device(engine_config.device).type == "cuda":
+            why_not = graphs_apply(engine_config, kv_caches, draft_head is not None)
+            if why_not is None:
+                self.decode_graphs = DecodeGraphs(engine_config, model, kv_caches,
+                                                  self.position_rule.num_axes)
+                self.decode_graphs.capture_all()
+            else:
+                logger.info("decode steps run eagerly: %s", why_not)
         self.drafter = None
         if draft_head is not None:
             self.drafter = EagleProposer(
@@ -116,12 +129,7 @@ class ModelRunner:
             return output
         batch = self._prepare_batch(scheduled)
         inputs_embeds = self._embed(batch, scheduled)  # (T, hidden)
-        aux_layers = self.drafter.aux_layers if self.drafter is not None else ()
-        with forward_context(batch.attn_metadata, self.kv_caches.layers, self.kv_caches.scales):
-            if aux_layers:  # features (T, 3 * hidden): the inputs of the layers EAGLE-3 reads
-                hidden_states, features = self.model(inputs_embeds, batch.positions, aux_layers)
-            else:
-                hidden_states = features = self.model(inputs_embeds, batch.positions)  # (T, hidden)
+        hidden_states, features = self._forward(batch, inputs_embeds)
         for item in scheduled:
             item.state.num_computed_tokens += item.num_new_tokens
         if batch.sampled:
@@ -130,6 +138,23 @@ class ModelRunner:
             self.drafter.propose(batch, scheduled, features, output)
         self._export_kv(plan.kv_exports, output)
         return output
+
+    def _forward(self, batch: Batch, inputs_embeds: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states (T, hidden), features): a decode step through its CUDA graph
+        where one was captured; features are EAGLE-3's layer inputs (T, 3 * hidden)
+        when a head reads them, else the hidden states."""
+        aux_layers = self.drafter.aux_layers if self.drafter is not None else ()
+        if self.decode_graphs is not None and not aux_layers:
+            hidden_states = self.decode_graphs.run(inputs_embeds, batch.positions,
+                                                   batch.attn_metadata)
+            if hidden_states is not None:
+                return hidden_states, hidden_states
+        with forward_context(batch.attn_metadata, self.kv_caches.layers, self.kv_caches.scales):
+            if aux_layers:
+                return self.model(inputs_embeds, batch.positions, aux_layers)
+            hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)
+        return hidden_states, hidden_states
 
     def _import_kv(self, kv_imports: dict[str, list[tuple[int, int]]],
                    payloads: dict[str, dict]) -> dict[str, str]:

@@ -54,11 +54,14 @@ class StepLayout:
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) True where the key is real
     decode_lens: torch.Tensor | None  # (Bd,) context lengths
     prefills: list[_Prefill]
+    decode_requests: torch.Tensor | None = None  # (Bd,) batch indices of the decode rows
 
     @classmethod
-    def build(cls, metadata: AttentionMetadata, context_always: bool = False) -> "StepLayout":
+    def build(cls, metadata: AttentionMetadata, context_always: bool = False,
+              decode_slots: bool = True) -> "StepLayout":
         """context_always: give every prefill its context slots, even when all
-        of its context is new (quantized caches read every key from the cache)."""
+        of its context is new (quantized caches read every key from the cache);
+        decode_slots: False for kernels that read the block tables themselves."""
         starts = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
         seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
         decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
@@ -68,12 +71,15 @@ class StepLayout:
             return cls(None, None, None, None, prefills)
         device = metadata.block_tables.device
         lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+        requests = torch.tensor(decodes, device=device)
+        rows = torch.tensor([starts[i] for i in decodes], device=device)
+        if not decode_slots:
+            return cls(rows, None, None, lens, prefills, requests)
         max_len = int(max(seq_lens[i] for i in decodes))
-        tables = metadata.block_tables[torch.tensor(decodes, device=device)]
+        tables = metadata.block_tables[requests]
         slots = context_slots(tables, max_len, metadata.block_size)  # (Bd, Lmax)
         mask = torch.arange(max_len, device=device) < lens.unsqueeze(-1)  # (Bd, Lmax)
-        rows = torch.tensor([starts[i] for i in decodes], device=device)
-        return cls(rows, slots, mask[:, None, None, :], lens, prefills)
+        return cls(rows, slots, mask[:, None, None, :], lens, prefills, requests)
 
     @staticmethod
     def _prefill(metadata, starts, seq_lens, i, context_always: bool) -> _Prefill:
@@ -107,6 +113,8 @@ def _spans(metadata: AttentionMetadata | None, request: int) -> list[tuple[int, 
 
 
 class SdpaBackend:
+    layout_key = "sdpa"  # where the step's StepLayout is kept in backend_cache
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -136,14 +144,15 @@ class SdpaBackend:
             return self._quantized(q, k, v, kv_cache, kv_scales, metadata,
                                    static_scales).view(num_tokens, -1)
         if kv_cache is not None and kv_cache.numel() > 0:
-            write_kv(kv_cache, k, v, metadata.slot_mapping)
-        layout = metadata.backend_cache.get("sdpa")
+            self._write(kv_cache, k, v, metadata.slot_mapping)
+        layout = metadata.backend_cache.get(self.layout_key)
         if layout is None:
-            layout = metadata.backend_cache["sdpa"] = StepLayout.build(metadata)
+            layout = metadata.backend_cache[self.layout_key] = StepLayout.build(
+                metadata, decode_slots=self.layout_key == "sdpa")
         out = torch.empty_like(q)  # (T, H, D)
         if layout.decode_rows is not None:
             out[layout.decode_rows] = self._decode(q[layout.decode_rows], kv_cache, layout,
-                                                   self._decode_mask(metadata, layout))
+                                                   metadata)
         bounded = self.sliding_window is not None or metadata.bidirectional_spans is not None
         for prefill in layout.prefills:
             rows = prefill.rows
@@ -185,6 +194,10 @@ class SdpaBackend:
                              firsts)
             out[rows] = self._ungrouped(grouped[0], num_new)
         return out
+
+    def _write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping)
 
     def _grouped(self, q: torch.Tensor) -> torch.Tensor:
         """(n, H, D) -> (Hkv, n*G, D): query heads sharing a KV head side by side."""
@@ -241,8 +254,9 @@ class SdpaBackend:
         return self._ungrouped(out, num_new)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: StepLayout,
-                mask: torch.Tensor) -> torch.Tensor:
+                metadata: AttentionMetadata) -> torch.Tensor:
         """q (Bd, H, D), one query per request -> (Bd, H, D)."""
+        mask = self._decode_mask(metadata, layout)
         batch, max_len = layout.decode_slots.shape
         flat = layout.decode_slots.view(-1)
         slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
