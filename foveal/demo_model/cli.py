@@ -11,7 +11,8 @@ def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
     names = ("read_steps", "vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch",
-             "char_weight", "vision_lr", "lr", "joint_lr", "seed", "eval_every")
+             "char_weight", "vision_lr", "lr", "joint_lr", "seed", "eval_every", "device",
+             "data_workers")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)
@@ -29,7 +30,7 @@ def _write(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     train = subparsers.add_parser(
-        "train-demo", help="train the demo model on the synthetic visual tasks (CPU, resumable)",
+        "train-demo", help="train the demo model on the synthetic visual tasks (CPU or CUDA, resumable)",
         description="Train the `demo` preset (an ~8M parameter Qwen2-VL) from scratch on the "
                     f"synthetic tasks ({_TASK_NAMES}). Rerun the same command to resume from "
                     "OUT/train_state.pt. Writes OUT/model, an HF checkpoint folder.")
@@ -57,7 +58,11 @@ def register(subparsers) -> None:
     train.add_argument("--eval-every", type=int,
                        help="steps between teacher-forced evals on held-out samples (default 300)")
     train.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
-                       help="bf16 autocast (auto: when the CPU has native bf16)")
+                       help="bf16 autocast (auto: on CUDA, or when the CPU has native bf16)")
+    train.add_argument("--device", help="cpu (default) or cuda[:N]")
+    train.add_argument("--data-workers", type=int,
+                       help="processes rendering and encoding batches ahead of the step "
+                            "(default 0: the training process; the batches are the same either way)")
     train.set_defaults(func=_train)
 
     data = subparsers.add_parser(

@@ -64,8 +64,8 @@ class VisualTokenProbe(torch.nn.Module):
         distance = (self.palette ** 2).sum(1) - 2 * rgb.transpose(1, 2) @ self.palette.T
         classes = torch.where(saturation > 0.25, distance.argmin(2) + 1, 0)
         classes = torch.where((saturation <= 0.25) & (rgb.amax(1) < 0.5), self.NUM_CLASSES - 1, classes)
-        counts = torch.zeros(classes.shape[0], self.NUM_CLASSES).scatter_add_(
-            1, classes, torch.ones(classes.shape))
+        counts = torch.zeros(classes.shape[0], self.NUM_CLASSES, device=classes.device
+                             ).scatter_add_(1, classes, torch.ones(classes.shape, device=classes.device))
         counts[:, 0] = 0
         best = counts.argmax(1)
         enough = counts.gather(1, best[:, None]).squeeze(1) >= 0.08 * classes.shape[1]
@@ -83,7 +83,7 @@ class VisualTokenProbe(torch.nn.Module):
             c = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols
             cell = torch.stack(torch.meshgrid(r, c, indexing="ij"), -1).view(-1, 2)
             out.append(cell.repeat(t, 1))
-        return torch.cat(out)
+        return torch.cat(out).to(grid_thw.device)
 
     def scene_loss(self, features: torch.Tensor, classes: torch.Tensor,
                    where: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,12 @@ class TrainConfig:
     checkpoint_every: int = 100
     eval_every: int = 300
     eval_samples: int = 120
-    bf16: bool | None = None  # None: when the CPU has native bf16
+    bf16: bool | None = None  # None: on CUDA, or when the CPU has native bf16
+    device: str = "cpu"  # "cuda": the model and the optimizer step on the GPU
+    # Processes that render and encode batches ahead of the training step (0: the
+    # training process itself). A step's batch depends on its index alone, so any
+    # worker count gives the same batches.
+    data_workers: int = 0
 
     def spans(self) -> dict[int, tuple[int, int]]:
         """Stage -> its [first, end) steps, for the stages that run."""
@@ -189,9 +194,9 @@ def teacher_forced_accuracy(model, encoder: SampleEncoder, num_samples: int, bf1
     samples = [make_sample("eval", i) for i in range(num_samples)]
     for start in range(0, len(samples), batch_size):
         encoded = [encoder.encode(s) for s in samples[start:start + batch_size]]
-        batch = collate(encoded, pad_id=0)
+        batch = _to_device(collate(encoded, pad_id=0), model.device)
         labels = batch.pop("labels")
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(**batch).logits
         predicted = logits[:, :-1].argmax(-1)
         targets = labels[:, 1:]
@@ -205,6 +210,84 @@ def teacher_forced_accuracy(model, encoder: SampleEncoder, num_samples: int, bf1
     return scores
 
 
+def make_batch(encoder: SampleEncoder, cfg: TrainConfig, step: int) -> dict:
+    """Step `step`'s training batch (a function of the step alone): the collated
+    model inputs, labels, and the probe's targets in stages 0-1."""
+    stage = cfg.stage_of(step)
+    rng = random.Random(f"augment:{cfg.seed}:{step}")
+    tasks = rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS], k=cfg.batch_size)
+    samples = [make_sample("train", step * cfg.batch_size + i, task=task)
+               for i, task in enumerate(tasks)] if stage else []
+    if stage <= 1:
+        pages, first = cfg.pages_per_batch if stage else cfg.batch_size, step * (
+            cfg.batch_size + cfg.pages_per_batch)
+        samples += [make_page(first + i) for i in range(pages)]
+    encoded = [encoder.encode(s, rng, _AUGMENT) for s in samples]
+    batch = collate(encoded, pad_id=0)
+    out = {"inputs": batch, "labels": batch.pop("labels")}
+    if stage <= 1:
+        out.update(chars=batch_char_targets(encoded))
+    if stage == 1:
+        out.update(shapes=batch_shape_targets(encoded), scenes=batch_scene_targets(encoded))
+    return out
+
+
+_AUGMENT = Augment()
+_worker_encoder: SampleEncoder | None = None
+
+
+def _init_worker(scaffold: str, hf_config: dict) -> None:
+    global _worker_encoder
+    torch.set_num_threads(1)
+    _worker_encoder = SampleEncoder(Path(scaffold), hf_config)
+
+
+def _worker_batch(cfg: TrainConfig, step: int) -> dict:
+    return make_batch(_worker_encoder, cfg, step)
+
+
+class BatchSource:
+    """Batches for steps start, start + 1, ... in order; with workers, up to
+    2 x workers steps are rendered ahead in other processes."""
+
+    def __init__(self, encoder: SampleEncoder, cfg: TrainConfig, start: int, scaffold: Path,
+                 hf_config: dict) -> None:
+        import multiprocessing
+        from collections import deque
+
+        self.encoder, self.cfg, self.next_step = encoder, cfg, start
+        self.pool = None
+        self.pending: deque = deque()
+        if cfg.data_workers > 0:
+            self.pool = multiprocessing.get_context("spawn").Pool(
+                cfg.data_workers, _init_worker, (str(scaffold), hf_config))
+            self.submitted = start
+
+    def next(self) -> dict:
+        if self.pool is None:
+            self.next_step += 1
+            return make_batch(self.encoder, self.cfg, self.next_step - 1)
+        while self.submitted < min(self.cfg.total_steps, self.next_step + 2 * self.cfg.data_workers):
+            self.pending.append(self.pool.apply_async(_worker_batch, (self.cfg, self.submitted)))
+            self.submitted += 1
+        self.next_step += 1
+        return self.pending.popleft().get()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
 def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     from tqdm import tqdm
 
@@ -212,12 +295,13 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     folder = out_dir / "model"
     hf_config = write_model_folder(out_dir / "scaffold")
     encoder = SampleEncoder(out_dir / "scaffold", hf_config)
-    bf16 = cpu_has_native_bf16() if cfg.bf16 is None else cfg.bf16
+    device = torch.device(cfg.device)
+    bf16 = (device.type == "cuda" or cpu_has_native_bf16()) if cfg.bf16 is None else cfg.bf16
     torch.set_num_threads(os.cpu_count() or 1)
-    model = build_hf_model(hf_config, cfg.seed)
+    model = build_hf_model(hf_config, cfg.seed).to(device)
     model.train()
     probe = VisualTokenProbe(hf_config["text_config"]["hidden_size"], encoder.images.image_mean,
-                             encoder.images.image_std)
+                             encoder.images.image_std).to(device)
     merged: list[torch.Tensor] = []
     model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -230,17 +314,18 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     state_path = out_dir / "train_state.pt"
     step, elapsed, history = 0, 0.0, []
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
         probe.load_state_dict(state["probe"])
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         logger.info("resuming at step %d (%.0f s trained so far)", step, elapsed)
     params = sum(p.numel() for p in model.parameters())
-    logger.info("demo model: %.2fM parameters, batch %d, %d reading + %d vision + %d decoder steps, "
-                "bf16 autocast %s", params / 1e6, cfg.batch_size, cfg.read_steps, cfg.vision_steps,
-                cfg.steps, "on" if bf16 else "off")
-    augment = Augment()
+    logger.info("demo model: %.2fM parameters on %s, batch %d, %d reading + %d vision + %d decoder "
+                "steps, bf16 autocast %s, %d data workers", params / 1e6, device, cfg.batch_size,
+                cfg.read_steps, cfg.vision_steps, cfg.steps, "on" if bf16 else "off",
+                cfg.data_workers)
+    source = BatchSource(encoder, cfg, step, out_dir / "scaffold", hf_config)
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train-demo", dynamic_ncols=True)
     loss_ema = history[-1]["loss"] if history else None
     stage = None
@@ -250,29 +335,20 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
             stage = cfg.stage_of(step)
             _set_stage(model, probe, stage)
         started = time.perf_counter()
-        rng = random.Random(f"augment:{cfg.seed}:{step}")
-        tasks = rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS], k=cfg.batch_size)
-        samples = [make_sample("train", step * cfg.batch_size + i, task=task)
-                   for i, task in enumerate(tasks)] if stage else []
-        if vision_stage:
-            pages, first = cfg.pages_per_batch if stage else cfg.batch_size, step * (
-                cfg.batch_size + cfg.pages_per_batch)
-            samples += [make_page(first + i) for i in range(pages)]
-        encoded = [encoder.encode(s, rng, augment) for s in samples]
-        batch = collate(encoded, pad_id=0)
-        labels = batch.pop("labels")
+        data = _to_device(source.next(), device)
+        batch, labels = data["inputs"], data["labels"]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         merged.clear()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if stage == 0:
                 _run_vision_tower(model, batch)
-                loss = probe.char_loss(torch.cat(merged).float(), batch_char_targets(encoded))
+                loss = probe.char_loss(torch.cat(merged).float(), data["chars"])
             elif vision_stage:
                 media = _run_vision_tower(model, batch)
-                loss = probe.loss(merged, [batch[k] for k, _ in media], batch_shape_targets(encoded),
-                                  [batch[g] for _, g in media], batch_scene_targets(encoded),
-                                  batch_char_targets(encoded), cfg.char_weight)
+                loss = probe.loss(merged, [batch[k] for k, _ in media], data["shapes"],
+                                  [batch[g] for _, g in media], data["scenes"],
+                                  data["chars"], cfg.char_weight)
             else:
                 loss = answer_loss(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
@@ -293,13 +369,15 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
                 record["probe"] = probe_accuracy(model, probe, encoder, cfg.eval_samples, bf16)
                 scores = record["probe"]
             else:
-                record["eval"] = scores = teacher_forced_accuracy(model, encoder, cfg.eval_samples, bf16)
+                record["eval"] = scores = teacher_forced_accuracy(model, encoder,
+                                                                  cfg.eval_samples, bf16)
             bar.write(f"step {step}: loss {loss_ema:.3f}, {'probe' if vision_stage else 'eval'} " +
                       ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
         history.append(record)
         if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
             _save_state(state_path, model, probe, optimizer, step, elapsed, history)
     bar.close()
+    source.close()
     export(model, out_dir / "scaffold", folder, history)
     return folder
 
@@ -338,21 +416,21 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
         for start in range(0, num_samples, batch_size):
             encoded = [encoder.encode(make_sample("eval", i))
                        for i in range(start, min(num_samples, start + batch_size))]
-            batch = collate(encoded, pad_id=0)
+            batch = _to_device(collate(encoded, pad_id=0), model.device)
             merged.clear()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
                 media = _run_vision_tower(model, batch)
             features = torch.cat(merged).float()
             colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
             hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
             hits["cell_color"][1] += len(colours)
-            chars = batch_char_targets(encoded)
+            chars = _to_device(batch_char_targets(encoded), model.device)
             if chars is not None:
                 known = chars > 0
                 predicted = probe.char_logits(features[:len(chars)]).argmax(-1)
                 hits["chars"][0] += int((predicted[known] == chars[known]).sum())
                 hits["chars"][1] += int(known.sum())
-            classes, _ = batch_scene_targets(encoded)
+            classes, _ = _to_device(batch_scene_targets(encoded), model.device)
             scene_logits = probe.scene_head(features).split(probe.SCENE_GROUPS, dim=-1)
             for column, (name, logits) in enumerate(zip(probe.SCENE_COLUMNS, scene_logits)):
                 known = classes[:, column] != IGNORE_INDEX
@@ -377,8 +455,9 @@ def export(model, scaffold: Path, folder: Path, history: list) -> None:
     staging = folder.with_name(folder.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(scaffold, staging)
-    model.to(torch.float16).save_pretrained(staging)
-    model.to(torch.float32)
+    device = model.device
+    model.to("cpu", torch.float16).save_pretrained(staging)
+    model.to(device, torch.float32)
     (staging / "training_log.json").write_text(json.dumps(history[-1:] + [
         r for r in history if "eval" in r or "probe" in r], indent=1) + "\n")
     shutil.rmtree(folder, ignore_errors=True)

@@ -239,3 +239,25 @@ def test_training_resumes_and_exports_a_checkpoint_both_engines_load(tmp_path):
     llm = LLM(model=str(folder), max_model_len=1024)
     out = llm.chat(make_sample("eval", 0).messages(), SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_data_workers_render_the_same_batches_in_the_same_order(tmp_path):
+    from foveal.demo_model.train import BatchSource, write_model_folder
+
+    hf_config = write_model_folder(tmp_path / "scaffold")
+    encoder = SampleEncoder(tmp_path / "scaffold", hf_config)
+    cfg = TrainConfig(read_steps=1, vision_steps=2, steps=2, batch_size=2, pages_per_batch=1,
+                      char_weight=1.0)
+    batches = {}
+    for workers in (0, 2):
+        source = BatchSource(encoder, TrainConfig(**{**cfg.__dict__, "data_workers": workers}),
+                             1, tmp_path / "scaffold", hf_config)
+        batches[workers] = [source.next() for _ in range(4)]  # steps 1-4: stages 1 and 2
+        source.close()
+    for inline, worker in zip(batches[0], batches[2], strict=True):
+        assert inline.keys() == worker.keys()
+        assert inline["inputs"].keys() == worker["inputs"].keys()
+        for key, value in inline["inputs"].items():
+            assert torch.equal(value, worker["inputs"][key]), key
+        assert torch.equal(inline["labels"], worker["labels"])
+    assert "shapes" in batches[0][0] and "shapes" not in batches[0][2]  # stage 1, then 2
