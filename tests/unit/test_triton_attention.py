@@ -3,28 +3,28 @@ against plain attention math, the Triton backend against the SDPA reference on
 mixed batches, and the decode-graph runner's static buffers and padding
 (capture off) through the engine against a plain run.
 
-TRITON_INTERPRET must be set before the kernels are defined, so it is set at
-import; it only affects Triton kernels, which nothing else runs on CPU."""
+The kernels run interpreted where there is no CUDA device (triton_decode.py);
+on a CUDA machine tests/gpu runs them compiled."""
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
+from foveal import LLM, SamplingParams
+from foveal.forward_context import AttentionMetadata
+from foveal.layers.attention.sdpa import SdpaBackend
+from foveal.layers.attention.triton_backend import TritonBackend, kernel_fits
+from foveal.layers.attention.triton_decode import num_splits, paged_decode, write_kv
+from foveal.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
+from tests.e2e.test_multimodal_caching import image, same, user
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from foveal import LLM, SamplingParams  # noqa: E402
-from foveal.forward_context import AttentionMetadata  # noqa: E402
-from foveal.layers.attention.sdpa import SdpaBackend  # noqa: E402
-from foveal.layers.attention.triton_backend import TritonBackend, kernel_fits  # noqa: E402
-from foveal.layers.attention.triton_decode import num_splits, paged_decode, write_kv  # noqa: E402
-from foveal.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply  # noqa: E402
-from tests.e2e.test_multimodal_caching import image, same, user  # noqa: E402
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted kernels: CPU machines; "
+                       "tests/gpu runs the compiled ones"),
+    # The interpreter evaluates both sides of tl.where: -inf - -inf on padding rows.
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 PAGE, HEADS, KV_HEADS, DIM = 16, 6, 2, 32
-# The interpreter evaluates both sides of tl.where: -inf - -inf on padding rows.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
 def reference(q, cache, tables, lens, scale, window=None):

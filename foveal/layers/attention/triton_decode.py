@@ -14,15 +14,22 @@ writes a partial (max, sum, accumulator); a second kernel merges the splits.
 Splits past a request's context write an empty partial. Sliding-window layers
 skip the pages before the window and mask the keys before it.
 
-Under TRITON_INTERPRET=1 the kernels run on CPU tensors (the unit tests).
+On a machine without CUDA (or with TRITON_INTERPRET=1) the kernels run under
+Triton's interpreter, on CPU tensors: the unit tests.
 """
 from __future__ import annotations
 
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+if not torch.cuda.is_available():
+    # Triton can only interpret here (CPU tensors: the unit tests); it reads this
+    # when it is first imported and when each kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows
 _TARGET_PROGRAMS = 264  # about two programs per multiprocessor of a large GPU
@@ -103,7 +110,7 @@ def _decode_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, part_out_ptr, part_ml
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # (ROWS, BLOCK_D)
     first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     page_lo = tl.maximum(split * pages_per_split, first_key // PAGE)
-    page_hi = tl.minimum((split + 1) * pages_per_split, tl.cdiv(seq_len, PAGE))
+    page_hi = tl.minimum((split + 1) * pages_per_split, (seq_len + PAGE - 1) // PAGE)
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     s = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
