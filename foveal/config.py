@@ -41,6 +41,16 @@ class TextConfig:
     hidden_act: str = "silu"
     attention_bias: bool = True  # q/k/v projection bias (Qwen2: yes; Llama / Mistral: no)
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    # Sparse MoE MLPs (Qwen3-VL-MoE); num_experts 0: every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1  # every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # dense even so
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ HF_FAMILIES = {
     "qwen2_vl": HFFamily("Qwen2VLForConditionalGeneration", _QWEN_PROCESSOR, _qwen, True),
     "qwen2_5_vl": HFFamily("Qwen2_5_VLForConditionalGeneration", _QWEN_PROCESSOR, _qwen, True),
     "qwen3_vl": HFFamily("Qwen3VLForConditionalGeneration", _QWEN_PROCESSOR, _qwen, True),
+    "qwen3_vl_moe": HFFamily("Qwen3VLMoeForConditionalGeneration", _QWEN_PROCESSOR, _qwen, True),
     "llava": HFFamily("LlavaForConditionalGeneration", "transformers:CLIPImageProcessorPil",
                       _llava(with_sizes=False, per_prompt=False)),
     "llava_next": HFFamily("LlavaNextForConditionalGeneration", _NEXT,

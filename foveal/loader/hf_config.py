@@ -16,7 +16,8 @@ from foveal.models.registry import supported_architectures
 
 _VISION_VARIANTS = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-                    "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+                    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+                    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl"}
 
 
 # architecture -> "module:function" (hf dict, path, eos ids, stored dtype, checkpoint
@@ -62,7 +63,12 @@ def _text_config(hf: dict) -> TextConfig:
         mrope_section=section,
         max_position_embeddings=text.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
-        hidden_act=text.get("hidden_act", "silu"))
+        hidden_act=text.get("hidden_act", "silu"),
+        num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+        decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(text.get("mlp_only_layers") or ()))
 
 
 def _vision_config(vision: dict, variant: str, text_hidden: int) -> VisionConfig:

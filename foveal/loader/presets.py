@@ -73,6 +73,16 @@ def _qwen3_vl(text: dict, head_dim: int, depth: int, hidden: int, heads: int, ff
             "bos_token_id": _BOS, "eos_token_id": _EOS, "pad_token_id": _PAD}
 
 
+def _moe(config: dict, experts: int, top_k: int, ffn: int, mlp_only: list[int]) -> dict:
+    """A Qwen3-VL config as Qwen3-VL-MoE's: sparse MLPs in every layer but mlp_only."""
+    text = {**config["text_config"], "model_type": "qwen3_vl_moe_text", "num_experts": experts,
+            "num_experts_per_tok": top_k, "moe_intermediate_size": ffn,
+            "decoder_sparse_step": 1, "mlp_only_layers": mlp_only}
+    return {**config, "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+            "model_type": "qwen3_vl_moe", "text_config": text,
+            "vision_config": {**config["vision_config"], "model_type": "qwen3_vl_moe_vision"}}
+
+
 def _tiny_text(layers: int, tied: bool) -> dict:
     return _text(vocab=512, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=128,
                  mrope_section=[2, 3, 3], tied=tied, max_positions=4096, theta=10000.0)
@@ -103,6 +113,20 @@ PRESETS: dict[str, dict] = {
                                      theta=10000.0),
                                head_dim=16, depth=3, hidden=32, heads=2, ffn=64,
                                num_position_embeddings=64, deepstack=[0, 2]),
+    "tiny-qwen3-vl-moe": _moe(_qwen3_vl(_text(vocab=512, hidden=64, layers=3, heads=4, kv_heads=2,
+                                              ffn=128, mrope_section=[4, 2, 2], tied=False,
+                                              max_positions=4096, theta=10000.0),
+                                        head_dim=16, depth=3, hidden=32, heads=2, ffn=64,
+                                        num_position_embeddings=64, deepstack=[0, 2]),
+                              experts=8, top_k=2, ffn=48, mlp_only=[1]),
+    # Qwen3-VL-30B-A3B-Instruct's shapes.
+    "qwen3-vl-30b-a3b": _moe(_qwen3_vl(_text(vocab=151936, hidden=2048, layers=48, heads=32,
+                                             kv_heads=4, ffn=6144, mrope_section=[24, 20, 20],
+                                             tied=False, max_positions=262144,
+                                             theta=5_000_000.0),
+                                       head_dim=128, depth=27, hidden=1152, heads=16, ffn=4304,
+                                       num_position_embeddings=2304, deepstack=[8, 16, 24]),
+                             experts=128, top_k=8, ffn=768, mlp_only=[]),
     # Qwen3-VL-2B-Instruct's shapes.
     "qwen3-vl-2b": _qwen3_vl(_text(vocab=151936, hidden=2048, layers=28, heads=16, kv_heads=8,
                                    ffn=6144, mrope_section=[24, 20, 20], tied=True,

@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 
 ARCH_PRESETS = {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl",
-                "qwen3_vl": "tiny-qwen3-vl", "gemma3": "tiny-gemma3", "llava": "tiny-llava",
+                "qwen3_vl": "tiny-qwen3-vl", "qwen3_vl_moe": "tiny-qwen3-vl-moe",
+                "gemma3": "tiny-gemma3", "llava": "tiny-llava",
                 "llava_next": "tiny-llava-next", "llava_onevision": "tiny-llava-onevision",
                 "idefics3": "tiny-idefics3", "smolvlm": "tiny-smolvlm"}
 # Tiny checkpoints cap image resolution so tests and the demo stay fast.
@@ -50,7 +51,7 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: i
         else:
             write_json(staging / "config.json", hf_config)
         special = write_tiny_tokenizer(staging, vocab_size=min(512, _vocab_size(hf_config)))
-        if hf_config.get("model_type") == "qwen3_vl":
+        if hf_config.get("model_type") in ("qwen3_vl", "qwen3_vl_moe"):
             _write_qwen3_vl_files(staging, tiny=preset.startswith("tiny"))
         elif hf_config.get("model_type") == "gemma3":
             from foveal.multimodal.processors.gemma3_family import write_checkpoint_files

@@ -49,13 +49,21 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP with a fused residual; `attention` is the
+    """Pre-norm attention + SwiGLU MLP (or a sparse MoE one, where the config says
+    so: Qwen3-VL-MoE) with a fused residual; `attention` is the
     attention module's class (Qwen3 brings its q/k-norm one)."""
 
     def __init__(self, config: TextConfig, layer_idx: int, attention: type[nn.Module] = Qwen2Attention):
         super().__init__()
         self.self_attn = attention(config, layer_idx)
-        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        if config.is_moe_layer(layer_idx):
+            from foveal.layers.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size,
+                                      config.num_experts, config.num_experts_per_tok,
+                                      config.hidden_act)
+        else:
+            self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -11,6 +11,8 @@ _MODELS: dict[str, str] = {
         "foveal.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "foveal.models.gemma3:Gemma3ForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    # the same model: the decoder reads its sparse layers from the config
+    "Qwen3VLMoeForConditionalGeneration": "foveal.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "LlavaForConditionalGeneration": "foveal.models.llava:LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "foveal.models.llava_next:LlavaNextForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration":

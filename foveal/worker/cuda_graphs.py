@@ -10,8 +10,9 @@ Rows past the batch are padding: slot -1 (the KV write skips it) and context
 length 0 (the decode kernel returns zeros), so they touch no request's cache.
 The attention backend must read every per-step value from device tensors
 (triton_backend.py does for `max_query_len == 1`); quantized KV caches, EAGLE
-heads (they read per-layer features), tensor parallelism and caches the
-Triton kernels cannot tile run eagerly (`graphs_apply`).
+heads (they read per-layer features), tensor parallelism, MoE decoders (the
+expert dispatch sizes its GEMMs on the host) and caches the Triton kernels
+cannot tile run eagerly (`graphs_apply`).
 
 `capture=False` runs the same static-buffer forward eagerly: on CPU, with the
 Triton kernels interpreted, it checks the buffers and padding without a GPU.
@@ -51,6 +52,8 @@ def graphs_apply(config: EngineConfig, kv_caches: KVCaches, has_draft_head: bool
         return "an EAGLE head reads per-layer features"
     if config.parallel.tensor_parallel_size > 1:
         return "tensor parallelism"
+    if config.model.text.num_experts:
+        return "MoE routing reads each step's expert counts on the host"
     if config.transfer.role == "encode":
         return "an encode worker has no decoder"
     if not kv_caches.layers or not kernel_fits(kv_caches.layers[0]):

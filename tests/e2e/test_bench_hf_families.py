@@ -12,7 +12,8 @@ from foveal.loader.tiny_model import ARCH_PRESETS, build_checkpoint
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("arch", ["llava_next", "llava_onevision", "gemma3", "smolvlm", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["llava_next", "llava_onevision", "gemma3", "smolvlm", "qwen3_vl",
+                                  "qwen3_vl_moe"])
 def test_baseline_matches_foveal_on_a_multi_image_workload(tmp_path, arch):
     from foveal.bench.hf_baseline import HFBaseline
 

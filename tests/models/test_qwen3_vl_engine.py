@@ -61,6 +61,7 @@ def _hf_greedy(model, prompt_ids: list[int], inputs: dict, config) -> tuple[list
     for _ in range(MAX_TOKENS):
         input_ids = torch.tensor([ids])
         types = (input_ids == config.image_token_id).long() + 2 * (input_ids == config.video_token_id).long()
+        types[0, len(prompt_ids):] = 0  # generated tokens are text, whatever their ids
         logits = model(input_ids=input_ids, mm_token_type_ids=types, **inputs).logits[0, -1].float()
         token = int(torch.argmax(logits))
         tokens.append(token)

@@ -15,6 +15,7 @@ _FAMILIES: dict[str, str] = {
     "qwen2_vl": _QWEN2_VL,
     "qwen2_5_vl": _QWEN2_VL,
     "qwen3_vl": "foveal.multimodal.processors.qwen3_vl_family:QWEN3_VL",
+    "qwen3_vl_moe": "foveal.multimodal.processors.qwen3_vl_family:QWEN3_VL",
     "gemma3": "foveal.multimodal.processors.gemma3_family:GEMMA3",
     **dict.fromkeys(("llava", "llava_next", "llava_onevision"),
                     "foveal.multimodal.processors.llava_family:LLAVA"),
