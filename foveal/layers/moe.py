@@ -12,6 +12,10 @@ Tensor parallelism splits every expert's intermediate size I over the ranks
 (gate and up halves alike); each rank sums its partial outputs over its
 experts and the ranks all-reduce, as a row-parallel layer does.
 
+--quantization int8 stores each expert's weights as int8 per output channel
+(the same kernels as the linear layers); the router stays float, so routing
+decisions are the float model's.
+
 Dispatch: tokens are sorted by expert and each expert that got any runs one
 GEMM pair over its tokens, so a decode step of B tokens runs at most
 B * top_k experts, and results are independent of which other tokens share
@@ -44,6 +48,33 @@ class FusedExperts(nn.Module):
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
         self.act = get_activation(hidden_act)
+        # --quantization int8: per expert, (int8 gate_up, scale, FBGEMM packing or None)
+        # and the same for down; the float weights are released
+        self.int8: list[tuple[tuple, tuple]] | None = None
+
+    def quantize_int8(self, fbgemm: bool) -> None:
+        """Each expert's two weights as int8, one scale per output channel."""
+        from foveal.layers.quantization import pack_fbgemm, quantize_int8
+
+        def one(weight: torch.Tensor) -> tuple:
+            qweight, scale = quantize_int8(weight)
+            return qweight, scale, pack_fbgemm(qweight, scale) if fbgemm else None
+
+        self.int8 = [(one(self.gate_up_proj[e]), one(self.down_proj[e]))
+                     for e in range(self.num_experts)]
+        for param in (self.gate_up_proj, self.down_proj):
+            param.data = torch.empty(0, dtype=param.dtype)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's SwiGLU MLP on its tokens x (n, hidden)."""
+        if self.int8 is not None:
+            from foveal.layers.quantization import int8_linear
+
+            gate_up, down = self.int8[expert]
+            gate, up = int8_linear(x, *gate_up[:2], None, gate_up[2]).chunk(2, dim=-1)
+            return int8_linear(self.act(gate) * up, *down[:2], None, down[2])
+        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[expert])
 
     def _oriented(self, loaded: torch.Tensor, rows: int, cols: int, name: str) -> torch.Tensor:
         """(E, rows, cols), transposing the (E, cols, rows) orientation."""
@@ -83,8 +114,7 @@ class FusedExperts(nn.Module):
             rows = order[start:start + count]
             tokens = token_of[start:start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[expert])
+            y = self._expert(expert, x[tokens])
             out.index_add_(0, tokens, y * weights.reshape(-1)[rows, None].to(y.dtype))
         return out
 
@@ -97,6 +127,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.gate.keep_float = True  # --quantization int8 leaves the router as stored
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -114,8 +114,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False) -> int:
-    """Quantize every linear layer of `model` in place; returns how many. The
-    dense weight is released: from then on forward() reads the int8 copy.
+    """Quantize every linear layer of `model` (and every MoE layer's experts) in
+    place; returns how many. The dense weight is released: from then on
+    forward() reads the int8 copy. Layers marked `keep_float` (MoE routers) stay.
 
     lm_head: the LM head too. It keeps its dense weight, which a tied embedding
     shares (and an untied one is small next to the decode-time saving)."""
@@ -124,9 +125,17 @@ def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False
     from foveal.layers.embed_head import ParallelLMHead
     from foveal.layers.linear import LinearBase
 
+    from foveal.layers.moe import FusedExperts
+
     kernel = int8_kernel()
     count = 0
     for module in model.modules():
+        if isinstance(module, FusedExperts):
+            module.quantize_int8(fbgemm=kernel == "fbgemm")
+            count += 1
+            continue
+        if getattr(module, "keep_float", False):
+            continue
         head = lm_head and isinstance(module, ParallelLMHead)
         if not (isinstance(module, LinearBase) or head) or module.weight.dim() != 2:
             continue
