@@ -35,6 +35,9 @@ class Worker:
         self.config = engine_config
         self.rank = rank
         self.encoder_connector = encoder_connector
+        if engine_config.device.startswith("cuda"):
+            # Triton kernels and CUDA graphs run on the current device: make it this one's
+            torch.cuda.set_device(torch.device(engine_config.device))
         self.model = None
         self.draft_head = None
         self.model_runner: ModelRunner | None = None
