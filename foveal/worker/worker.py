@@ -35,9 +35,10 @@ class Worker:
         self.config = engine_config
         self.rank = rank
         self.encoder_connector = encoder_connector
-        if engine_config.device.startswith("cuda"):
-            # Triton kernels and CUDA graphs run on the current device: make it this one's
-            torch.cuda.set_device(torch.device(engine_config.device))
+        device = torch.device(engine_config.device)
+        if device.type == "cuda" and device.index is not None:
+            # Triton kernels and CUDA graphs run on the current device: make it this one
+            torch.cuda.set_device(device)
         self.model = None
         self.draft_head = None
         self.model_runner: ModelRunner | None = None
