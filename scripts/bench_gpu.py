@@ -8,6 +8,8 @@ device copy, bytes read + written) and bf16 GEMM rate (8192^3). Per preset
 (random bf16 weights drawn on the GPU, no checkpoint file):
   decode    batch 1 and 32: ms per output token with CUDA graphs and eagerly
             (the same engine, its graphs switched off), median of --repeats;
+            batch 1 split into the graph's GPU time (replayed alone), the LM
+            head's, and the rest (host: scheduling, batch arrays, sampling);
             batch 1 against the roofline: the bytes one step reads (decoder
             weights, the LM head, the KV context) / measured bandwidth
   prefill   one text prompt of --prefill-len tokens, one step: model FLOPs
@@ -19,6 +21,7 @@ device copy, bytes read + written) and bf16 GEMM rate (8192^3). Per preset
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -148,6 +151,14 @@ def bench_preset(preset: str, root: Path, ceiling: dict, args) -> dict:
             row[f"decode_ms_b{batch}_{mode}"] = _decode_ms(llm, batch, prompt_len, out_len,
                                                            args.repeats)
     runner.decode_graphs = graphs
+    if graphs is not None:  # where a batch-1 step's time goes: the graph, the head, the host
+        with torch.inference_mode():
+            row["b1_graph_replay_ms"] = _cuda_time(graphs.graphs[1].replay, 50) * 1e3
+            hidden = graphs.outputs[1]
+            row["b1_lm_head_ms"] = _cuda_time(lambda: runner.model.compute_logits(hidden),
+                                              50) * 1e3
+        row["b1_host_and_sampling_ms"] = (row["decode_ms_b1_graphs"] - row["b1_graph_replay_ms"]
+                                          - row["b1_lm_head_ms"])
     # KV bytes the batch-1 step reads, at the mean context of the run
     kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 2
     step_bytes = sizes["step_weight_bytes"] + kv_per_token * (prompt_len + out_len // 2)
@@ -173,9 +184,6 @@ def bench_preset(preset: str, root: Path, ceiling: dict, args) -> dict:
     seconds = time.perf_counter() - started
     row["image_32_output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
     llm.shutdown()
-    del llm, runner, graphs
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return row
 
 
@@ -197,6 +205,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for preset in args.presets.split(","):
             row = bench_preset(preset, Path(root), report["ceilings"], args)
+            gc.collect()  # the preset's engine, before the next one takes the GPU
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -7,7 +7,8 @@
 #      against the CPU's at float32
 #   3. scripts/bench_gpu.py: decode against the HBM roofline (graphs and eager), prefill
 #      against the bf16 GEMM peak, image requests; `small` and `qwen2.5-vl-7b`
-#   4. with >= 2 GPUs: tensor parallelism over NCCL (TP=2 against TP=1)
+#   4. FOVEAL_GPU_EAGLE=1: an EAGLE-3 head trained on the GPU, then scripts/bench_spec_decode.py
+#   5. with >= 2 GPUs: tensor parallelism over NCCL (TP=2 against TP=1)
 # Each part runs even if an earlier one failed; the exit status says whether all passed.
 # FOVEAL_GPU_PRESETS overrides the benchmark's presets.
 set -uo pipefail
@@ -53,6 +54,15 @@ PY
 echo "[${SECONDS}s] benchmark"
 python3 scripts/bench_gpu.py --presets "${FOVEAL_GPU_PRESETS:-small,qwen2.5-vl-7b}" \
   --json "$out/bench_gpu.json" 2>&1 | grep -v INFO | tee "$out/bench_gpu.txt" || status=1
+
+if [ "${FOVEAL_GPU_EAGLE:-0}" = 1 ]; then  # a few more minutes: EAGLE-3 trained on the GPU
+  echo "[${SECONDS}s] EAGLE"
+  python3 -m foveal train-eagle --target foveal/assets/demo_model --out "$out/eagle" --device cuda \
+    --num-prompts 128 --steps 300 2>&1 | tr '\r' '\n' | grep -E "^step|wrote" | tee "$out/eagle.txt" \
+    || status=1
+  python3 scripts/bench_spec_decode.py --model foveal/assets/demo_model --eagle "$out/eagle" \
+    --json "$out/spec.json" 2>&1 | grep -v INFO | tail -16 | tee "$out/spec.txt" || status=1
+fi
 
 if [ "$gpus" -ge 2 ]; then
   python3 - <<'PY' 2>&1 | grep -v INFO | tee "$out/tp.txt" || status=1
