@@ -171,6 +171,33 @@ def test_static_decode_buffers_give_the_eager_answers(checkpoint, monkeypatch):
     assert any(r is None for r in calls)  # prefill steps did not
 
 
+def test_static_decode_buffers_beside_video_and_ngram_speculation(checkpoint, monkeypatch):
+    """A video request and n-gram drafts: steps with drafts run eagerly (more rows
+    than requests), the others through the buffers; answers equal the SDPA engine's."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    video = {"frames": [rng.integers(0, 256, (56, 84, 3), dtype=np.uint8) for _ in range(4)],
+             "fps": 1.0}
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    text = "one two three one two three one two three one two"
+    outputs = {}
+    for backend in ("sdpa", "triton"):
+        monkeypatch.setenv("FOVEAL_ATTENTION_BACKEND", backend)
+        llm = _engine(checkpoint, speculative_config=spec)
+        if backend == "triton":
+            runner = llm.llm_engine.core.executor.model_runner
+            runner.decode_graphs = DecodeGraphs(runner.config, runner.model, runner.kv_caches,
+                                                runner.position_rule.num_axes, capture=False)
+        tokenizer = llm.get_tokenizer()
+        video_prompt = tokenizer.apply_chat_template([{"role": "user", "content": [
+            {"type": "video"}, {"type": "text", "text": "What moves?"}]}], add_generation_prompt=True)
+        prompts = [{"prompt": video_prompt, "multi_modal_data": {"video": video}},
+                   {"prompt": text}]
+        outputs[backend] = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert same(outputs["triton"], outputs["sdpa"])
+
+
 def test_graphs_stay_off_where_a_step_is_not_static(checkpoint, monkeypatch):
     monkeypatch.setenv("FOVEAL_ATTENTION_BACKEND", "triton")
     llm = _engine(checkpoint, kv_cache_dtype="int8")
