@@ -144,7 +144,8 @@ def test_encode_engine_embeddings_replace_the_tower(checkpoint):
     assert prefill.get_stats()["foveal:encoder_items_total"] == 0
 
 
-FAMILIES = ["tiny-qwen3-vl", "tiny-llava-next", "tiny-llava-onevision", "tiny-gemma3", "tiny-idefics3"]
+FAMILIES = ["tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-llava-next", "tiny-llava-onevision",
+            "tiny-gemma3", "tiny-idefics3"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

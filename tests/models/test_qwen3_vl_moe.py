@@ -154,3 +154,19 @@ def test_int8_engine_agrees_with_float_by_teacher_forcing(setup, monkeypatch):
     int8_kernel.cache_clear()
     assert result.positions == 144
     assert result.top1_agreement >= 0.9 and result.mean_abs_logit_diff > 0
+
+
+def test_ngram_speculation_is_lossless_with_images_and_an_int8_kv_cache(setup):
+    path, _ = setup
+    text = "red blue red blue red blue red blue red"
+    outputs = {}
+    for name, extra in {"plain": {}, "ngram": {"speculative_config": {
+            "method": "ngram", "num_speculative_tokens": 3}}}.items():
+        llm = LLM(model=path, max_model_len=512, kv_cache_dtype="int8",
+                  kv_cache_memory_bytes=KV_BYTES, **extra)
+        chat = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": text}]}]
+        prompts = [_prompt(llm, chat, {"image": _image(128, 96, 9)}), {"prompt": text}]
+        outputs[name] = [o.outputs[0].token_ids for o in
+                         llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert outputs["ngram"] == outputs["plain"]

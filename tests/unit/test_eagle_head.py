@@ -202,7 +202,8 @@ def test_prompts_file_lines_become_conversations_and_bad_lines_name_their_line(t
         load_conversations(str(bad))
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen2-vl", "tiny-gemma3", "tiny-idefics3"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2-vl", "tiny-gemma3", "tiny-idefics3",
+                                    "tiny-qwen3-vl-moe"])
 def test_recorded_features_cover_every_fed_token(tiny_checkpoints, preset):
     """One row per token the target was fed (prompt + answer but its last token),
     with the positions of the decoder's own forward, on decoders of every layout."""
