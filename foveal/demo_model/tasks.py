@@ -294,9 +294,10 @@ _BUILDERS = {"shapes": _shapes, "count": _count, "position": _position, "read": 
 
 def demo_image() -> Image.Image:
     """The image `foveal demo` asks about: a red circle, a blue square and a
-    green triangle (the `shapes` and `count` tasks' distribution)."""
+    green triangle, 50 px each: inside the sizes both the `shapes` task (38-64)
+    and the `count` task (20-56 for up to three shapes) draw."""
     image = Image.new("RGB", (336, 224), (242, 241, 236))
     draw = ImageDraw.Draw(image)
     for shape, color, x in (("circle", "red", 64), ("square", "blue", 168), ("triangle", "green", 272)):
-        draw_shape(draw, shape, x, 112, 62, jitter_color(color, random.Random(0)))
+        draw_shape(draw, shape, x, 112, 50, jitter_color(color, random.Random(0)))
     return image

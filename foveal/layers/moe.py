@@ -54,11 +54,13 @@ class FusedExperts(nn.Module):
 
     def quantize_int8(self, fbgemm: bool) -> None:
         """Each expert's two weights as int8, one scale per output channel."""
-        from foveal.layers.quantization import pack_fbgemm, quantize_int8
+        from foveal.layers.quantization import pack_fbgemm, quantize_int8, shape_only
 
         def one(weight: torch.Tensor) -> tuple:
             qweight, scale = quantize_int8(weight)
-            return qweight, scale, pack_fbgemm(qweight, scale) if fbgemm else None
+            if not fbgemm:
+                return qweight, scale, None
+            return shape_only(qweight), scale, pack_fbgemm(qweight, scale)
 
         self.int8 = [(one(self.gate_up_proj[e]), one(self.down_proj[e]))
                      for e in range(self.num_experts)]

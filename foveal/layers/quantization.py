@@ -86,6 +86,13 @@ def pack_fbgemm(qweight: torch.Tensor, scale: torch.Tensor):
         return torch.ops.quantized.linear_prepack(per_channel, None)
 
 
+def shape_only(qweight: torch.Tensor) -> torch.Tensor:
+    """A stand-in for an int8 weight that FBGEMM's packing holds: its shape and dtype on
+    the meta device, no bytes (the packed copy alone is read, so the weight costs one
+    byte per value, not two)."""
+    return torch.empty(qweight.shape, dtype=qweight.dtype, device="meta")
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, float32 scale per row): weight ~= q * scale[:, None]."""
     weight = weight.detach().float()
@@ -141,9 +148,9 @@ def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False
             continue
         if module.weight.numel() == 0:
             continue
-        module.int8_weight, module.int8_scale = quantize_int8(module.weight)
-        module.int8_fbgemm = (pack_fbgemm(module.int8_weight, module.int8_scale)
-                              if kernel == "fbgemm" else None)
+        qweight, module.int8_scale = quantize_int8(module.weight)
+        module.int8_fbgemm = pack_fbgemm(qweight, module.int8_scale) if kernel == "fbgemm" else None
+        module.int8_weight = shape_only(qweight) if module.int8_fbgemm is not None else qweight
         if not head:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         count += 1

@@ -94,6 +94,24 @@ def test_quantized_layer_releases_its_dense_weight():
     assert (apply_linear(x, layer, layer.bias) - dense).abs().max() < 0.05 * dense.abs().max()
 
 
+@pytest.mark.parametrize("kernel", ["exact", "fbgemm"])
+def test_an_int8_layer_holds_one_byte_per_weight(kernel, int8_kernel_is):
+    """The exact kernel reads the plain int8 weight; FBGEMM reads its packing alone, so
+    the plain weight is only a shape there (no second int8 copy)."""
+    from foveal.layers.quantization import quantize_weights
+
+    int8_kernel_is(kernel)
+    layer = ReplicatedLinear(64, 48, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(5, 64)
+    dense = apply_linear(x, layer, None)
+    quantize_weights(torch.nn.Sequential(layer), "int8")
+    assert layer.int8_weight.shape == (48, 64) and layer.int8_weight.dtype == torch.int8
+    assert (layer.int8_weight.device.type == "meta") == (kernel == "fbgemm")
+    assert (layer.int8_fbgemm is not None) == (kernel == "fbgemm")
+    assert (apply_linear(x, layer, None) - dense).abs().max() < 0.05 * dense.abs().max()
+
+
 def test_the_engine_quantizes_every_linear_layer_but_not_the_head(checkpoint):
     llm = LLM(model=checkpoint, quantization="int8", max_model_len=256,
               kv_cache_memory_bytes=4 << 20)
