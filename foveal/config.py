@@ -75,6 +75,13 @@ class VisionConfig:
     deepstack_visual_indexes: tuple[int, ...] = ()
 
 
+# vLLM's --quantization names for a pre-quantized checkpoint's own method -> the method
+# name Foveal's loader gives it (CheckpointQuantization.method). Naming the checkpoint's
+# method changes nothing: the loader reads the method from config.json either way.
+CHECKPOINT_METHOD_NAMES = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq",
+                           "awq_marlin": "awq", "fp8": "fp8", "compressed-tensors": "fp8"}
+
+
 @dataclass(frozen=True)
 class CheckpointQuantization:
     """How a pre-quantized checkpoint stores its linear weights (config.json's

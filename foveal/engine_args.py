@@ -88,7 +88,9 @@ class EngineArgs:
         self._check_tensor_parallel(parallel.tensor_parallel_size, model_config, device)
         limits = {"image": 8, "video": 1, **self.limit_mm_per_prompt}
         dtype = resolve_dtype(self.dtype, device, model_config.checkpoint_dtype)
-        quantization = check_quantization(self.quantization, device)
+        checkpoint = model_config.checkpoint_quantization
+        quantization = check_quantization(self.quantization, device,
+                                          checkpoint.method if checkpoint else None)
         if self.quantize_lm_head and quantization is None:
             raise ConfigError("quantize_lm_head needs quantization='int8' (--quantization int8)")
         if device == "cpu":

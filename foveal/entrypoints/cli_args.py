@@ -5,6 +5,7 @@ import argparse
 import json
 from typing import Any
 
+from foveal.config import CHECKPOINT_METHOD_NAMES
 from foveal.errors import ConfigError
 
 
@@ -79,9 +80,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", type=_json_dict, default=None,
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 3}\'')
-    group.add_argument("--quantization", choices=("int8",),
+    group.add_argument("--quantization", choices=("int8", *CHECKPOINT_METHOD_NAMES),
                        help="quantize the linear layers' weights at load time: int8 (per output "
-                            "channel, activations per token at run time; CPU)")
+                            "channel, activations per token at run time; CPU); or name a "
+                            "pre-quantized checkpoint's own method (gptq, awq, fp8, their vLLM "
+                            "aliases), which is read from config.json anyway")
     group.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantization int8: quantize the LM head too (the largest single "
                             "weight a decode step reads; logits move by the int8 rounding)")

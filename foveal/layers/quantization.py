@@ -39,20 +39,36 @@ import warnings
 import torch
 from torch import nn
 
+from foveal.config import CHECKPOINT_METHOD_NAMES
 from foveal.errors import ConfigError
 
 QUANTIZATION_METHODS = ("int8",)
 _INT8_MAX = 127.0
 
 
-def check_quantization(method: str | None, device: str) -> str | None:
-    """The canonical method name, or ConfigError for one this build cannot run."""
+def check_quantization(method: str | None, device: str, checkpoint_method: str | None = None
+                       ) -> str | None:
+    """The online method to run ("int8") or None, or ConfigError.
+
+    checkpoint_method: the checkpoint's own quantization ("gptq" / "awq" / "fp8", from
+    config.json), if any. A --quantization that names it (vLLM's spelling, e.g. gptq,
+    awq_marlin, compressed-tensors) is accepted and quantizes nothing more."""
     if method is None or method in ("", "none"):
         return None
     method = method.lower()
+    if method in CHECKPOINT_METHOD_NAMES:
+        named = CHECKPOINT_METHOD_NAMES[method]
+        if checkpoint_method == named:
+            return None
+        found = (f"is a {checkpoint_method} checkpoint" if checkpoint_method else
+                 "is not quantized (config.json has no quantization_config)")
+        raise ConfigError(f"quantization={method!r} names a pre-quantized {named} checkpoint's "
+                          f"method, but this checkpoint {found}; drop --quantization, or use "
+                          f"--quantization int8 to quantize the weights at load time")
     if method not in QUANTIZATION_METHODS:
         raise ConfigError(f"quantization={method!r}; Foveal quantizes weights online with one of "
-                          f"{list(QUANTIZATION_METHODS)} (--quantization)")
+                          f"{list(QUANTIZATION_METHODS)} (--quantization), and loads GPTQ, AWQ and "
+                          f"fp8 checkpoints as they are ({sorted(CHECKPOINT_METHOD_NAMES)} name them)")
     if device != "cpu":
         raise ConfigError(f"quantization={method!r} runs on CPU only (its int8 GEMM is oneDNN's); "
                           f"on {device} use --dtype bfloat16 without --quantization")

@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from foveal import LLM, SamplingParams
+from foveal.config import CHECKPOINT_METHOD_NAMES
 from foveal.errors import CheckpointError, ConfigError
+from foveal.layers.quantization import check_quantization
 from foveal.loader.hf_config import model_config_from_hf
 from foveal.loader.quantized import dequantized_checkpoint
 from foveal.loader.weights import iterate_checkpoint
@@ -241,6 +243,36 @@ def test_engine_gives_the_tokens_of_a_float_checkpoint_with_the_same_weights(fmt
                         for o in llm.chat(chats, GREEDY, use_tqdm=False)])
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 8 for tokens in outputs[0])
+
+
+@pytest.mark.parametrize("fmt,names", [("gptq4-g32", ("gptq", "gptq_marlin")),
+                                       ("awq4-g32", ("awq", "awq_marlin")),
+                                       ("fp8-block", ("fp8", "compressed-tensors"))])
+def test_quantization_may_name_the_checkpoints_own_method(fmt, names, source, tmp_path):
+    """vLLM's spelling (--quantization gptq on a GPTQ checkpoint) loads the checkpoint as
+    it is, with the tokens of no flag; a name that is not the checkpoint's method is a
+    ConfigError, and so is one on a float checkpoint."""
+    quantize, config = FORMATS[fmt]
+    write_quantized(source, tmp_path / "quantized", quantize, config)
+    chats = [[user("describe the picture", image(60))]]
+
+    def tokens(llm: LLM) -> list[int]:
+        return llm.chat(chats, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    folder = str(tmp_path / "quantized")
+    expected = tokens(LLM(model=folder, **OPTIONS))
+    assert tokens(LLM(model=folder, quantization=names[0], **OPTIONS)) == expected
+    method = model_config_from_hf(folder).checkpoint_quantization.method
+    for alias in names:
+        assert check_quantization(alias, "cpu", method) is None
+        assert check_quantization(alias, "cuda", method) is None
+        with pytest.raises(ConfigError, match="is not quantized"):
+            check_quantization(alias, "cpu", None)
+    other = next(name for name in CHECKPOINT_METHOD_NAMES if CHECKPOINT_METHOD_NAMES[name] != method)
+    with pytest.raises(ConfigError, match=f"this checkpoint is a {method} checkpoint"):
+        LLM(model=folder, quantization=other, **OPTIONS)
+    with pytest.raises(ConfigError, match="is not quantized"):
+        LLM(model=source, quantization=names[0], **OPTIONS)
 
 
 def test_int8_requantization_of_a_gptq_checkpoint_matches_that_of_its_float_twin(source, tmp_path):
