@@ -6,13 +6,20 @@ Each llama.cpp request runs its prompt's own token ids; only the image goes thro
 mtmd (its vision encoder and its M-RoPE positions), so every system sees the same tokens.
 Greedy decoding, EOS ignored; TTFT counts from the request's start (raw RGB pixels in
 hand, as Foveal gets a decoded image) to the first sampled token.
+
+On CPUs with AMX, llama.cpp loads its weights without its extra buffer types (the AMX
+and repacked layouts, `--no-repack` in its own CLI): its AMX matmul kernels fault on
+these machines (SIGILL at the first tile instruction on worker threads, or a segfault;
+llama.cpp pull request 26954), so q8_0 runs through its AVX-512 VNNI dot products there.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,6 +29,7 @@ import numpy as np
 from foveal.bench.gguf_export import WEIGHT_TYPES, GGUFFiles, export_gguf
 from foveal.bench.report import RequestRecord, ThroughputResult
 from foveal.bench.workload import BenchRequest, PromptVocab, WorkloadSpec
+from foveal.cpu_features import cpu_features
 from foveal.errors import ConfigError, FovealError
 
 # The Foveal engine that matches each GGUF weight type: the same weight precision.
@@ -46,10 +54,11 @@ class LlamaCpp:
         # mtmd logs through llama-cpp-python's logger too (errors only when not verbose)
         mtmd_cpp.mtmd_log_set(llama_log_callback, ctypes.c_void_p(0))
         mtmd_cpp.mtmd_helper_log_set(llama_log_callback, ctypes.c_void_p(0))
-        self.llama = Llama(model_path=str(files.model), n_ctx=n_ctx, n_batch=n_ctx,
-                           n_ubatch=min(n_ctx, 512), n_threads=threads,
-                           n_threads_batch=threads, logits_all=False, verbose=False,
-                           **({"type_k": 0, "type_v": 0} if kv_f32 else {}))  # GGML_TYPE_F32
+        with _extra_buffer_types(not cpu_features().amx):
+            self.llama = Llama(model_path=str(files.model), n_ctx=n_ctx, n_batch=n_ctx,
+                               n_ubatch=min(n_ctx, 512), n_threads=threads,
+                               n_threads_batch=threads, logits_all=False, verbose=False,
+                               **({"type_k": 0, "type_v": 0} if kv_f32 else {}))  # GGML_TYPE_F32
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu = False
         params.print_timings = False
@@ -183,6 +192,27 @@ class LlamaCpp:
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
+
+
+@contextlib.contextmanager
+def _extra_buffer_types(enabled: bool) -> Iterator[None]:
+    """Models loaded inside use llama.cpp's extra weight buffer types (AMX, repacked
+    layouts) or not: llama-cpp-python's `Llama` takes no such option, so its default
+    model parameters are wrapped while it loads."""
+    from llama_cpp import llama_cpp
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        out = default()
+        out.use_extra_bufts = enabled
+        return out
+
+    llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_model_default_params = default
 
 
 def run_llama_cpp(files: GGUFFiles, weights: str, requests: Sequence[BenchRequest],

@@ -98,3 +98,17 @@ def test_prompts_llama_cpp_cannot_take_are_refused(tmp_path):
         assert len(runner.generate(build_workload(spec, vocab)[0])[0]) == 3
     finally:
         runner.close()
+
+
+def test_extra_buffer_types_are_switched_only_while_a_model_loads():
+    """On AMX CPUs llama.cpp's AMX weight buffers fault, so the runner loads without them;
+    the switch lasts only as long as the load."""
+    from llama_cpp import llama_cpp
+
+    from foveal.bench.peer import _extra_buffer_types
+
+    with _extra_buffer_types(False):
+        assert llama_cpp.llama_model_default_params().use_extra_bufts is False
+    with _extra_buffer_types(True):
+        assert llama_cpp.llama_model_default_params().use_extra_bufts is True
+    assert llama_cpp.llama_model_default_params().use_extra_bufts is True
