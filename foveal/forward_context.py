@@ -85,6 +85,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     # Per layer, the scales stored beside quantized blocks; None for float caches.
     kv_scales: list[torch.Tensor] | None = None
+    # True while a step runs over the decode graphs' static buffers (captured or not):
+    # layers then keep their shapes fixed and read no device value on the host.
+    static_shapes: bool = False
 
 
 _current: ForwardContext | None = None
@@ -92,9 +95,10 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
-                    kv_scales: list[torch.Tensor] | None = None) -> Iterator[ForwardContext]:
+                    kv_scales: list[torch.Tensor] | None = None,
+                    static_shapes: bool = False) -> Iterator[ForwardContext]:
     global _current
-    previous, _current = _current, ForwardContext(attn_metadata, kv_caches, kv_scales)
+    previous, _current = _current, ForwardContext(attn_metadata, kv_caches, kv_scales, static_shapes)
     try:
         yield _current
     finally:
@@ -105,3 +109,9 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention layer called outside forward_context()")
     return _current
+
+
+def static_shapes() -> bool:
+    """Whether the running step is a decode graph's (ForwardContext.static_shapes);
+    False outside any forward context."""
+    return _current is not None and _current.static_shapes

@@ -19,7 +19,12 @@ decisions are the float model's.
 Dispatch: tokens are sorted by expert and each expert that got any runs one
 GEMM pair over its tokens, so a decode step of B tokens runs at most
 B * top_k experts, and results are independent of which other tokens share
-the step (a token's experts and weights depend on it alone).
+the step (a token's experts and weights depend on it alone). That loop sizes
+its GEMMs from expert counts read on the host, which a CUDA graph cannot
+replay; a decode graph's step (forward_context.static_shapes) instead gathers
+each (token, slot) pair's expert weights and runs two batched GEMMs of fixed
+shape: B * top_k weight copies, so the graph runner captures MoE decoders only
+for batches of at most num_experts / top_k tokens (cuda_graphs.capture_sizes).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from torch import nn
 
 from foveal.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
 from foveal.errors import CheckpointError
+from foveal.forward_context import static_shapes
 from foveal.layers.activation import get_activation
 from foveal.layers.linear import ReplicatedLinear, _divide
 
@@ -103,6 +109,8 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """x (T, hidden); experts / weights (T, k) -> this rank's partial (T, hidden)."""
+        if self.int8 is None and static_shapes():
+            return self._forward_static(x, experts, weights)
         num_tokens, top_k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (T*k,) assignments grouped by expert
@@ -119,6 +127,19 @@ class FusedExperts(nn.Module):
             y = self._expert(expert, x[tokens])
             out.index_add_(0, tokens, y * weights.reshape(-1)[rows, None].to(y.dtype))
         return out
+
+
+    def _forward_static(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+                        ) -> torch.Tensor:
+        """The dispatch without host reads: every (token, slot) pair's expert weights
+        gathered, two batched GEMMs, the k outputs summed by their weights."""
+        num_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)  # (T*k,)
+        rows = x.repeat_interleave(top_k, dim=0).unsqueeze(1)  # (T*k, 1, hidden)
+        gate, up = torch.bmm(rows, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(self.act(gate) * up, self.down_proj[flat].transpose(1, 2))  # (T*k, 1, hidden)
+        y = y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1).to(y.dtype)
+        return y.sum(1).to(x.dtype)  # (T, hidden)
 
 
 class SparseMoeBlock(nn.Module):

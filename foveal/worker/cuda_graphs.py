@@ -10,9 +10,11 @@ Rows past the batch are padding: slot -1 (the KV write skips it) and context
 length 0 (the decode kernel returns zeros), so they touch no request's cache.
 The attention backend must read every per-step value from device tensors
 (triton_backend.py does for `max_query_len == 1`); quantized KV caches, EAGLE
-heads (they read per-layer features), tensor parallelism, MoE decoders (the
-expert dispatch sizes its GEMMs on the host) and caches the Triton kernels
-cannot tile run eagerly (`graphs_apply`).
+heads (they read per-layer features), tensor parallelism and caches the Triton
+kernels cannot tile run eagerly (`graphs_apply`). The forward runs with
+`static_shapes` set, so MoE layers take their fixed-shape dispatch (one weight
+copy per token and expert slot): MoE decoders are captured for batches of at
+most num_experts / top_k tokens, larger ones run eagerly.
 
 `capture=False` runs the same static-buffer forward eagerly: on CPU, with the
 Triton kernels interpreted, it checks the buffers and padding without a GPU.
@@ -31,10 +33,20 @@ logger = init_logger(__name__)
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: the buckets up to max_num_seqs (at most 256), and it."""
-    top = min(max_num_seqs, _BUCKETS[-1])
+def capture_sizes(max_num_seqs: int, max_size: int | None = None) -> list[int]:
+    """Batch sizes to capture: the buckets up to max_num_seqs (at most 256, and at most
+    max_size), and that top size."""
+    top = min(max_num_seqs, _BUCKETS[-1], max_size or _BUCKETS[-1])
     return sorted({size for size in _BUCKETS if size < top} | {top})
+
+
+def largest_graphed_batch(config: EngineConfig) -> int | None:
+    """MoE decoders: the most tokens whose fixed-shape dispatch copies no more expert
+    weights than the layer holds (num_experts // top_k); None: no limit."""
+    text = config.model.text
+    if not text.num_experts:
+        return None
+    return max(1, text.num_experts // text.num_experts_per_tok)
 
 
 def graphs_apply(config: EngineConfig, kv_caches: KVCaches, has_draft_head: bool) -> str | None:
@@ -52,8 +64,6 @@ def graphs_apply(config: EngineConfig, kv_caches: KVCaches, has_draft_head: bool
         return "an EAGLE head reads per-layer features"
     if config.parallel.tensor_parallel_size > 1:
         return "tensor parallelism"
-    if config.model.text.num_experts:
-        return "MoE routing reads each step's expert counts on the host"
     if config.transfer.role == "encode":
         return "an encode worker has no decoder"
     if not kv_caches.layers or not kernel_fits(kv_caches.layers[0]):
@@ -68,7 +78,7 @@ class DecodeGraphs:
         from foveal.layers.attention.triton_decode import num_splits
 
         self.model, self.kv_caches, self.capture = model, kv_caches, capture
-        self.sizes = capture_sizes(config.scheduler.max_num_seqs)
+        self.sizes = capture_sizes(config.scheduler.max_num_seqs, largest_graphed_batch(config))
         device, top = torch.device(config.device), self.sizes[-1]
         spec = kv_caches.spec
         self.block_size = spec.block_size
@@ -94,7 +104,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         positions = self.positions[..., :size]
-        with forward_context(self.metadata[size], self.kv_caches.layers, self.kv_caches.scales):
+        with forward_context(self.metadata[size], self.kv_caches.layers, self.kv_caches.scales,
+                             static_shapes=True):
             return self.model(self.inputs_embeds[:size], positions)
 
     @torch.inference_mode()

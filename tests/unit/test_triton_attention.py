@@ -131,6 +131,8 @@ def test_capture_sizes_are_buckets_up_to_max_num_seqs():
     assert capture_sizes(6) == [1, 2, 4, 6]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert capture_sizes(1000)[-1] == 256
+    assert capture_sizes(256, max_size=16) == [1, 2, 4, 8, 16]  # qwen3-vl-30b-a3b: 128 // 8
+    assert capture_sizes(6, max_size=4) == [1, 2, 4]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -196,6 +198,34 @@ def test_static_decode_buffers_beside_video_and_ngram_speculation(checkpoint, mo
                    {"prompt": text}]
         outputs[backend] = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert same(outputs["triton"], outputs["sdpa"])
+
+
+def test_moe_decoder_decodes_through_the_static_buffers(tiny_checkpoints, monkeypatch):
+    """Qwen3-VL-MoE (8 experts, top 2): graphed for batches of up to 4 tokens, with the
+    experts' fixed-shape dispatch; a batch of 3 goes through the buffers, one of 5
+    runs eagerly; answers (images, a text-only request) equal the SDPA engine's."""
+    moe = tiny_checkpoints("tiny-qwen3-vl-moe")
+    chats = [[user(f"describe {i}", image(40 * i, (64, 64)))] for i in range(4)] + \
+        [[user("text only, no picture")]]
+    params = [SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True, logprobs=2)
+              for i in range(5)]
+    expected = _engine(moe).chat(chats, params, use_tqdm=False)
+    expected_three = _engine(moe).chat(chats[:3], params[:3], use_tqdm=False)
+    monkeypatch.setenv("FOVEAL_ATTENTION_BACKEND", "triton")
+    llm = _engine(moe)
+    runner = llm.llm_engine.core.executor.model_runner
+    assert graphs_apply(runner.config, runner.kv_caches, False) is None
+    runner.decode_graphs = graphs = DecodeGraphs(runner.config, runner.model, runner.kv_caches,
+                                                 runner.position_rule.num_axes, capture=False)
+    assert graphs.sizes == [1, 2, 4]
+    calls = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda *a: calls.append((a[0].shape[0], run(*a))) or calls[-1][1])
+    assert same(llm.chat(chats[:3], params[:3], use_tqdm=False), expected_three)
+    assert any(rows == 3 and out is not None for rows, out in calls)
+    calls.clear()
+    assert same(llm.chat(chats, params, use_tqdm=False), expected)
+    assert any(rows == 5 and out is None for rows, out in calls)  # past the top bucket: eager
 
 
 def test_graphs_stay_off_where_a_step_is_not_static(checkpoint, monkeypatch):
