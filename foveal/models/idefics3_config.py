@@ -8,6 +8,8 @@ llama3 RoPE; other scalings are a ConfigError). What only these families have is
 """
 from __future__ import annotations
 
+import json
+import pathlib
 from dataclasses import dataclass
 
 from foveal.config import CheckpointQuantization, ModelConfig, VisionConfig
@@ -60,9 +62,35 @@ def idefics3_model_config(hf: dict, path: str | None, eos: tuple[int, ...], stor
     return ModelConfig(
         architecture=hf.get("architectures", [_ARCHITECTURES[model_type]])[0], model_type=model_type,
         text=text, vision=vision_config, image_token_id=hf.get("image_token_id", 128257),
-        video_token_id=-1, vision_start_token_id=-1, vision_end_token_id=-1, eos_token_ids=eos,
+        video_token_id=_video_token_id(hf, path) if model_type == "smolvlm" else -1, vision_start_token_id=-1, vision_end_token_id=-1, eos_token_ids=eos,
         path=path, checkpoint_dtype=stored_dtype, checkpoint_quantization=quantization,
         family_config=settings)
+
+
+def _video_token_id(hf: dict, path: str | None) -> int:
+    """SmolVLM's video placeholder (transformers' processor replaces the text "<video>", or
+    the tokenizer's `video_token`) as one token id of the checkpoint's tokenizer; -1 when
+    the tokenizer has no such single token (videos are then refused with that reason)."""
+    if "video_token_id" in hf:
+        return int(hf["video_token_id"])
+    if not path:
+        return -1
+    folder = pathlib.Path(path)
+    configs = [_json(folder / name) for name in ("preprocessor_config.json", "processor_config.json",
+                                                 "tokenizer_config.json")]
+    token = next((c["video_token"] for c in configs if isinstance(c.get("video_token"), str)), "<video>")
+    added = {entry.get("content"): int(entry["id"])
+             for entry in _json(folder / "tokenizer.json").get("added_tokens", [])}
+    added.update({entry.get("content"): int(token_id)
+                  for token_id, entry in configs[2].get("added_tokens_decoder", {}).items()})
+    return added.get(token, -1)
+
+
+def _json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _preset(model_type: str, text: dict, vision: dict, scale: int, ids: dict) -> dict:

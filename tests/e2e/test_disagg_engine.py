@@ -24,8 +24,8 @@ PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe
 
 
 def engine_config(checkpoint: str, **kwargs):
-    args = EngineArgs.from_kwargs(checkpoint, max_model_len=512, kv_cache_memory_bytes=1 << 20,
-                                  **kwargs)
+    args = EngineArgs.from_kwargs(checkpoint, **{"max_model_len": 512,
+                                                 "kv_cache_memory_bytes": 1 << 20, **kwargs})
     return args.create_engine_config()
 
 
@@ -145,7 +145,7 @@ def test_encode_engine_embeddings_replace_the_tower(checkpoint):
 
 
 FAMILIES = ["tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-llava-next", "tiny-llava-onevision",
-            "tiny-gemma3", "tiny-idefics3"]
+            "tiny-gemma3", "tiny-idefics3", "tiny-smolvlm"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -174,5 +174,32 @@ def test_every_family_disaggregates_like_one_engine(tiny_checkpoints, preset):
     assert run(prefill, [request])["p"][0] == expected
     assert prefill.get_stats()["foveal:encoder_items_total"] == 0
 
+    assert prefill_then_decode(build_engine_core(config), build_engine_core(config), config,
+                               prompt, "d") == expected
+
+
+@pytest.mark.parametrize("preset", ["tiny-smolvlm", "tiny-llava-onevision", "tiny-qwen3-vl"])
+def test_video_prompts_disaggregate_like_one_engine(tiny_checkpoints, preset):
+    """A clip through encode -> prefill (its frames' rows, timestamps and markers
+    included) and prefill -> decode gives one mixed engine's tokens."""
+    path = tiny_checkpoints(preset)
+    config = engine_config(path, max_model_len=1024, kv_cache_memory_bytes=4 << 20)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe."}]}]
+    text = Tokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True)
+    frames = [np.random.default_rng(seed).integers(0, 255, (56, 84, 3), dtype=np.uint8)
+              for seed in range(4)]
+    prompt = {"prompt": text, "multi_modal_data": {"video": {"frames": frames, "fps": 1.0}}}
+    expected = run(build_engine_core(config), [make_request(config, "m", prompt)])["m"][0]
+    encode = build_engine_core(dataclasses.replace(
+        config, transfer=dataclasses.replace(config.transfer, role="encode")))
+    encode.add_request(make_request(config, "e", prompt))
+    [output] = encode.step()
+    assert output.finished and output.error is None
+    request = make_request(config, "p", prompt)
+    [feature] = request.mm_features
+    assert feature.modality == "video"
+    request.mm_features = [feature.without_payload().with_payload(
+        {ENCODED_KEY: output.embeddings[feature.mm_hash]})]
+    assert run(build_engine_core(config), [request])["p"][0] == expected
     assert prefill_then_decode(build_engine_core(config), build_engine_core(config), config,
                                prompt, "d") == expected

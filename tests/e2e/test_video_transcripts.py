@@ -84,6 +84,19 @@ def test_llm_chat_puts_the_speech_of_a_video_right_after_it(llm, clips):
     assert "front door" in transcript.lower()
 
 
+def test_smolvlm_puts_the_speech_after_the_frames(tiny_checkpoints, pools, clips):
+    """SmolVLM2's video prompt (intro, timestamped frames, outro), then the transcript."""
+    llm = LLM(model=tiny_checkpoints("tiny-smolvlm"), stages=pools, **ENGINE)
+    try:
+        text = chat_prompt(llm, clips["speech"])
+    finally:
+        llm.shutdown()
+    assert "frames from a 0:00:0" in text and "Frame from 00:00:" in text
+    outro = text.rindex("<|vision_start|>") + len("<|vision_start|>")
+    assert text[outro:].startswith(f"\n\n\n{MARK}\n[0.0s-")  # outro, then the marked transcript
+    assert "front door" in text[outro:text.index(QUESTION)].lower()
+
+
 def test_llm_generate_transcribes_a_video_file_from_the_stage_cache(llm, clips, pools, tmp_path):
     path = tmp_path / "door.mp4"
     path.write_bytes(clips["speech"])

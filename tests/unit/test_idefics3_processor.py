@@ -130,9 +130,10 @@ def test_feature_covers_markers_and_lists_image_runs(processor):
 
 
 def test_video_and_bad_options_are_clear_errors(processor):
-    family = get_processor_family("smolvlm")
     with pytest.raises(InvalidRequestError, match="images only"):
-        family.video_processor_class().process(None)
+        get_processor_family("idefics3").video_processor_class().process(None)
+    with pytest.raises(InvalidRequestError, match="takes no video"):
+        get_processor_family("smolvlm").video_processor_class().process(None)
     with pytest.raises(InvalidRequestError, match="unknown mm_processor_kwargs"):
         processor.with_overrides({"fps": 2})
     with pytest.raises(InvalidRequestError, match="below one Idefics3 tile"):

@@ -19,7 +19,8 @@ _FAMILIES: dict[str, str] = {
     "gemma3": "foveal.multimodal.processors.gemma3_family:GEMMA3",
     **dict.fromkeys(("llava", "llava_next", "llava_onevision"),
                     "foveal.multimodal.processors.llava_family:LLAVA"),
-    **dict.fromkeys(("idefics3", "smolvlm"), "foveal.multimodal.processors.idefics3_family:IDEFICS3"),
+    "idefics3": "foveal.multimodal.processors.idefics3_family:IDEFICS3",
+    "smolvlm": "foveal.multimodal.processors.idefics3_family:SMOLVLM",
 }
 
 

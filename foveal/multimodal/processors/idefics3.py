@@ -252,27 +252,31 @@ def replacement_text(markers: MarkerTokens, rows: int, cols: int, image_seq_len:
 
 
 def idefics3_expander(tokenizer) -> Callable:
-    """The placeholder expansion with this tokenizer (see the module docstring)."""
+    """The placeholder expansion with this tokenizer (see the module docstring; SmolVLM
+    videos: smolvlm_video.py)."""
 
     def expand(token_ids: list[int], items_by_modality: dict[str, tuple[int, list]]
                ) -> tuple[list[int], list[MMFeature]]:
-        if items_by_modality.get("video", (0, []))[1]:
-            raise InvalidRequestError("Idefics3 / SmolVLM take images only here; send video frames "
-                                      "as images")
-        image_id, items = items_by_modality.get("image", (-1, []))
-        count = token_ids.count(image_id) if items else 0
-        if count != len(items):
-            raise PlaceholderMismatchError(
-                f"the prompt has {count} <image> placeholder(s) but {len(items)} image(s) were passed; "
-                "the prompt needs one <image> per image (LLM.chat() adds them)")
-        queue, expanded, features = iter(items), [], []
+        queues, placeholders = {}, {}
+        for modality, name in (("image", "<image>"), ("video", "<video>")):
+            token_id, items = items_by_modality.get(modality, (-1, []))
+            count = token_ids.count(token_id) if items else 0
+            if count != len(items):
+                raise PlaceholderMismatchError(
+                    f"the prompt has {count} {name} placeholder(s) but {len(items)} {modality}(s) "
+                    f"were passed; the prompt needs one {name} per {modality} (LLM.chat() adds them)")
+            if items:
+                queues[token_id], placeholders[token_id] = iter(items), modality
+        expanded, features = [], []
+        image_id = items_by_modality.get("image", (-1, []))[0]
         for token_id in token_ids:
-            if not items or token_id != image_id:
+            if token_id not in queues:
                 expanded.append(token_id)
                 continue
-            item = next(queue)
-            replacement = tokenizer.encode(replacement_text(item.markers, item.rows, item.cols,
-                                                            item.image_seq_len))
+            item = next(queues[token_id])
+            text = (item.prompt_text() if placeholders[token_id] == "video" else
+                    replacement_text(item.markers, item.rows, item.cols, item.image_seq_len))
+            replacement = tokenizer.encode(text)
             if replacement.count(image_id) != item.num_tokens:
                 raise ConfigError(f"the tokenizer does not encode {item.markers.image!r} as the image "
                                   f"token {image_id}; the checkpoint's tokenizer and config disagree")
@@ -283,8 +287,9 @@ def idefics3_expander(tokenizer) -> Callable:
     return expand
 
 
-def _feature(item: ProcessedIdefics3Image, replacement: list[int], offset: int, image_id: int) -> MMFeature:
-    """The item's feature: placeholder from its first <image> token to its last."""
+def _feature(item, replacement: list[int], offset: int, image_id: int) -> MMFeature:
+    """The item's feature (an image's views, or a video's frames): placeholder from its
+    first <image> token to its last."""
     first = replacement.index(image_id)
     last = len(replacement) - 1 - replacement[::-1].index(image_id)
     span = replacement[first:last + 1]
@@ -297,4 +302,4 @@ def _feature(item: ProcessedIdefics3Image, replacement: list[int], offset: int, 
             runs.append((index, end - index))
         index = max(end, index + 1)
     data = {**item.feature_data(), IMAGE_RUNS_KEY: tuple(runs), "token_ids": tuple(span)}
-    return MMFeature("image", item.mm_hash, PlaceholderRange(offset + first, len(span)), data)
+    return MMFeature(item.modality, item.mm_hash, PlaceholderRange(offset + first, len(span)), data)

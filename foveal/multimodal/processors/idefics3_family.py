@@ -1,10 +1,11 @@
-"""The Idefics3 / SmolVLM family as a `ProcessorFamily`: its image processor,
-its mm_processor_kwargs, placeholder expansion with the tokenizer (tile
-markers), the planner's arithmetic (the tile count is the dial), and the
-files a tiny offline checkpoint ships. Videos (SmolVLM's frame prompts) are
-refused with a clear error."""
+"""The Idefics3 / SmolVLM families as `ProcessorFamily` objects: the image
+processor, its mm_processor_kwargs, placeholder expansion with the tokenizer
+(tile markers; SmolVLM videos' frame prompts), the planner's arithmetic (the
+tile count is the dial for images, the frame count for videos), and the files
+a tiny offline checkpoint ships. Idefics3 refuses videos with a clear error."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from foveal.errors import InvalidRequestError
 from foveal.multimodal.budget import ProcessorGeometry
 from foveal.multimodal.processors.family import NoVideoProcessor, ProcessorFamily
 from foveal.multimodal.processors.idefics3 import OVERRIDE_KEYS, Idefics3ImageProcessor, idefics3_expander
+from foveal.multimodal.processors.smolvlm_video import OVERRIDE_KEYS as VIDEO_KEYS
+from foveal.multimodal.processors.smolvlm_video import SmolVLMVideoProcessor
 
 
 class Idefics3NoVideoProcessor(NoVideoProcessor):
@@ -22,7 +25,15 @@ class Idefics3NoVideoProcessor(NoVideoProcessor):
 
 @dataclass(frozen=True)
 class Idefics3Geometry(ProcessorGeometry):
-    """(tiles + 1) * image_seq_len, the tiles those of the longest edge max_pixels allows."""
+    """(tiles + 1) * image_seq_len, the tiles those of the longest edge max_pixels allows;
+    a SmolVLM video: image_seq_len per frame at any size."""
+
+    video_processor: SmolVLMVideoProcessor | None = None
+
+    def video_tokens(self, width: int, height: int, num_frames: int, min_pixels: int,
+                     max_pixels: int) -> int:
+        video = self.video_processor
+        return video.num_tokens(num_frames) if video is not None and video.takes_video else 0
 
     def resized_size(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
         _, _, resized_h, resized_w = self.at(max_pixels).grid(width, height)
@@ -31,11 +42,15 @@ class Idefics3Geometry(ProcessorGeometry):
 
 def planner_geometry(image_processor: Idefics3ImageProcessor, video_processor: Any) -> Idefics3Geometry:
     # patch_size: pixels per token side, so detail "low" (a quarter of the tokens' area) asks
-    # for about a quarter of the tiles.
+    # for about a quarter of the tiles. Video frames have one size: the planner drops frames only.
     per_token = int(round((image_processor.tile_size ** 2 / image_processor.image_seq_len) ** 0.5))
+    frame_area = image_processor.min_pixels
+    videos = video_processor if isinstance(video_processor, SmolVLMVideoProcessor) else None
     return Idefics3Geometry(patch_size=per_token, merge_size=1, temporal_patch_size=1,
                             image_min_pixels=image_processor.min_pixels,
-                            image_max_pixels=image_processor.max_pixels, processor=image_processor)
+                            image_max_pixels=image_processor.max_pixels,
+                            video_min_pixels=frame_area, video_max_pixels=frame_area, min_frames=1,
+                            processor=image_processor, video_processor=videos)
 
 
 def _expand_without_tokenizer(token_ids, items_by_modality):
@@ -53,10 +68,12 @@ IDEFICS3 = ProcessorFamily(
     planner_geometry=planner_geometry,
     text_expander=idefics3_expander,
 )
+SMOLVLM = dataclasses.replace(IDEFICS3, name="smolvlm", video_processor_class=SmolVLMVideoProcessor,
+                              video_override_keys=tuple(VIDEO_KEYS))
 
 # The Idefics3 / SmolVLM "User:<image>...<end_of_utterance>\nAssistant:" layout with the tiny
 # tokenizer's specials: <|endoftext|> for <|begin_of_text|>, <|im_end|> for <end_of_utterance>,
-# <|image_pad|> for <image>.
+# <|image_pad|> for <image>, <|video_pad|> for <video>.
 IDEFICS3_TINY_CHAT_TEMPLATE = (
     "{{ '<|endoftext|>' }}"
     "{% for message in messages %}"
@@ -68,6 +85,7 @@ IDEFICS3_TINY_CHAT_TEMPLATE = (
     "{% else %}{{ ': ' }}{% endif %}"
     "{% for item in message['content'] %}"
     "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}{{ '<|image_pad|>' }}"
+    "{% elif item['type'] == 'video' or 'video' in item %}{{ '<|video_pad|>' }}"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
     "{% endfor %}"
     "{% endif %}"
@@ -77,6 +95,7 @@ IDEFICS3_TINY_CHAT_TEMPLATE = (
 )
 
 # Tiny checkpoints' stand-ins for the marker tokens (special tokens of the tiny tokenizer).
+TINY_VIDEO_TOKEN = "<|video_pad|>"  # SmolVLM's "<video>"
 TINY_MARKERS = {"image_token": "<|image_pad|>", "fake_image_token": "<|vision_start|>",
                 "global_image_token": "<|vision_end|>"}
 
@@ -86,13 +105,17 @@ def preprocessor_config(hf_config: dict) -> dict:
     (longest edge: 2 tiles for tiny towers, 4 as the hub checkpoints for real ones)."""
     side = (hf_config.get("vision_config") or {}).get("image_size", 364)
     tiles_per_side = 2 if side < 256 else 4
-    image_processor = ("SmolVLMImageProcessor" if hf_config.get("model_type") == "smolvlm"
-                       else "Idefics3ImageProcessor")
-    return {"image_processor_type": image_processor, "do_convert_rgb": True, "do_resize": True,
+    smolvlm = hf_config.get("model_type") == "smolvlm"
+    body = {"image_processor_type": "SmolVLMImageProcessor" if smolvlm else "Idefics3ImageProcessor",
+            "do_convert_rgb": True, "do_resize": True,
             "size": {"longest_edge": side * tiles_per_side}, "max_image_size": {"longest_edge": side},
             "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
             "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_image_splitting": True,
             "do_pad": True, **TINY_MARKERS}
+    if smolvlm:  # SmolVLM2's video settings (one frame a second, up to 64)
+        body.update(video_token=TINY_VIDEO_TOKEN, video_sampling={
+            "fps": 1, "max_frames": 64, "video_size": {"longest_edge": side * tiles_per_side}})
+    return body
 
 
 def write_checkpoint_files(folder: Path, hf_config: dict) -> None:
