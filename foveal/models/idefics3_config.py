@@ -79,11 +79,12 @@ def _video_token_id(hf: dict, path: str | None) -> int:
     configs = [_json(folder / name) for name in ("preprocessor_config.json", "processor_config.json",
                                                  "tokenizer_config.json")]
     token = next((c["video_token"] for c in configs if isinstance(c.get("video_token"), str)), "<video>")
-    added = {entry.get("content"): int(entry["id"])
-             for entry in _json(folder / "tokenizer.json").get("added_tokens", [])}
-    added.update({entry.get("content"): int(token_id)
-                  for token_id, entry in configs[2].get("added_tokens_decoder", {}).items()})
-    return added.get(token, -1)
+    for token_id, entry in configs[2].get("added_tokens_decoder", {}).items():
+        if entry.get("content") == token:
+            return int(token_id)
+    # tokenizer.json (larger) only when tokenizer_config.json does not list the token
+    return next((int(entry["id"]) for entry in _json(folder / "tokenizer.json").get("added_tokens", [])
+                 if entry.get("content") == token), -1)
 
 
 def _json(path: pathlib.Path) -> dict:
