@@ -68,6 +68,17 @@ class VideoProcessor(Protocol):
     def process(self, video: "DecodedVideo") -> ProcessedItem: ...
 
 
+def check_video_overrides(overrides: dict, accepted) -> None:
+    """A video processor's mm_processor_kwargs: known keys, positive numbers."""
+    unknown = sorted(set(overrides) - set(accepted))
+    if unknown:
+        raise InvalidRequestError(f"unknown video mm_processor_kwargs {unknown}; "
+                                  f"accepted: {sorted(accepted)}")
+    for key, value in overrides.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise InvalidRequestError(f"mm_processor_kwargs[{key!r}] must be positive, got {value!r}")
+
+
 class NoVideoProcessor:
     """The video processor of a family that takes no video: a video, or a video
     option, is refused with a clear error (before any video is loaded)."""

@@ -21,6 +21,7 @@ from PIL import Image
 from foveal.errors import InvalidRequestError
 from foveal.multimodal.hashing import mm_hash
 from foveal.multimodal.media.video import DecodedVideo, VideoSampling
+from foveal.multimodal.processors.family import check_video_overrides
 from foveal.multimodal.processors.llava import LlavaImageProcessor
 
 # mm_processor_kwargs key -> field
@@ -63,13 +64,7 @@ class LlavaVideoProcessor:
         if overrides and self.frame is None:
             raise InvalidRequestError(f"mm_processor_kwargs {sorted(overrides)} are for videos; "
                                       "this LLaVA model takes images only")
-        unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
-        if unknown:
-            raise InvalidRequestError(f"unknown video mm_processor_kwargs {unknown}; "
-                                      f"accepted: {sorted(OVERRIDE_KEYS)}")
-        for key, value in overrides.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidRequestError(f"mm_processor_kwargs[{key!r}] must be positive, got {value!r}")
+        check_video_overrides(overrides, OVERRIDE_KEYS)
         frames = {k: int(v) for k, v in overrides.items() if k.endswith("frames")}
         fps = {"fps": float(overrides["fps"])} if "fps" in overrides else {}
         processor = dataclasses.replace(self, **frames, **fps)

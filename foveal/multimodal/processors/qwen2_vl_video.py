@@ -30,6 +30,7 @@ from PIL import Image
 from foveal.errors import CheckpointError, InvalidRequestError
 from foveal.multimodal.hashing import mm_hash
 from foveal.multimodal.media.video import DecodedVideo, VideoSampling
+from foveal.multimodal.processors.family import check_video_overrides
 from foveal.multimodal.processors.qwen2_vl import Qwen2VLImageProcessor
 
 VIDEO_MIN_PIXELS = 128 * 28 * 28
@@ -92,13 +93,7 @@ class Qwen2VLVideoProcessor:
 
     def with_overrides(self, overrides: dict) -> "Qwen2VLVideoProcessor":
         """Apply the video keys of mm_processor_kwargs; unknown keys are an error."""
-        unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
-        if unknown:
-            raise InvalidRequestError(f"unknown video mm_processor_kwargs {unknown}; "
-                                      f"accepted: {sorted(OVERRIDE_KEYS)}")
-        for key, value in overrides.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidRequestError(f"mm_processor_kwargs[{key!r}] must be positive, got {value!r}")
+        check_video_overrides(overrides, OVERRIDE_KEYS)
         pixels = {OVERRIDE_KEYS[k]: int(v) for k, v in overrides.items() if k.endswith("pixels")}
         frames = {OVERRIDE_KEYS[k]: int(v) for k, v in overrides.items() if k.endswith("frames")}
         fps = {"fps": float(overrides["fps"])} if "fps" in overrides else {}

@@ -34,6 +34,7 @@ from PIL import Image
 from foveal.errors import InvalidRequestError
 from foveal.multimodal.hashing import mm_hash
 from foveal.multimodal.media.video import DecodedVideo, VideoSampling
+from foveal.multimodal.processors.family import check_video_overrides
 from foveal.multimodal.processors.idefics3 import Idefics3ImageProcessor, MarkerTokens, rescaled_size
 from foveal.multimodal.processors.qwen2_vl import Qwen2VLImageProcessor
 
@@ -107,13 +108,7 @@ class SmolVLMVideoProcessor:
         if overrides and self.frame is None:
             raise InvalidRequestError(f"mm_processor_kwargs {sorted(overrides)} are for videos; "
                                       + self.reason)
-        unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
-        if unknown:
-            raise InvalidRequestError(f"unknown video mm_processor_kwargs {unknown}; "
-                                      f"accepted: {sorted(OVERRIDE_KEYS)}")
-        for key, value in overrides.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidRequestError(f"mm_processor_kwargs[{key!r}] must be positive, got {value!r}")
+        check_video_overrides(overrides, OVERRIDE_KEYS)
         values = {"fps": float(overrides["fps"])} if "fps" in overrides else {}
         if "max_frames" in overrides:
             values["max_frames"] = int(overrides["max_frames"])
