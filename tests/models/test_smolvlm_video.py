@@ -161,3 +161,15 @@ def test_checkpoint_without_a_video_token_refuses_videos(tiny_checkpoints, tmp_p
     with pytest.raises(InvalidRequestError, match="added_tokens_decoder"):
         llm.chat([_user("What happens?", _clip(3, 1))], PARAMS, use_tqdm=False)
     assert len(llm.chat([_user("Hi")], PARAMS, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_server_usage_counts_a_videos_frames_as_video_tokens():
+    """SmolVLM fills a video with image tokens: usage reads the plan's modalities."""
+    from foveal.entrypoints.openai.serving_engine import FinalOutput, OpenAIServing
+    from foveal.multimodal.budget import ItemPlan
+
+    serving = SimpleNamespace(image_token_id=IMAGE_TOKEN, video_token_id=13)
+    final = FinalOutput([1] + [IMAGE_TOKEN] * (3 + 2) * SEQ_LEN + [2], token_ids=[5])
+    final.mm_plan = [ItemPlan("video", 4096, 3, 3 * SEQ_LEN), ItemPlan("image", 4096, 1, 2 * SEQ_LEN)]
+    details = OpenAIServing.usage(serving, final).prompt_tokens_details
+    assert (details.image_tokens, details.video_tokens) == (2 * SEQ_LEN, 3 * SEQ_LEN)

@@ -203,13 +203,17 @@ class OpenAIServing:
     def usage(self, final: FinalOutput) -> UsageInfo:
         prompt_ids = final.prompt_token_ids
         num_prompt, num_completion = len(prompt_ids), len(final.token_ids)
-        details = PromptTokensDetails(cached_tokens=final.num_cached_tokens,
-                                      image_tokens=prompt_ids.count(self.image_token_id),
-                                      video_tokens=prompt_ids.count(self.video_token_id),
-                                      encoder_cache_queries=final.encoder_cache_queries,
-                                      encoder_cache_hits=final.encoder_cache_hits)
         plan = [MediaItemPlan.model_validate(item, from_attributes=True)
                 for item in final.mm_plan or ()]
+        # per modality from the plan: a family may fill a video with image tokens (SmolVLM)
+        visual = {modality: sum(item.num_tokens for item in plan if item.modality == modality)
+                  for modality in ("image", "video")} if plan else {
+            "image": prompt_ids.count(self.image_token_id),
+            "video": prompt_ids.count(self.video_token_id)}
+        details = PromptTokensDetails(cached_tokens=final.num_cached_tokens,
+                                      image_tokens=visual["image"], video_tokens=visual["video"],
+                                      encoder_cache_queries=final.encoder_cache_queries,
+                                      encoder_cache_hits=final.encoder_cache_hits)
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                          total_tokens=num_prompt + num_completion,
                          prompt_tokens_details=details, mm_plan=plan)
