@@ -47,10 +47,33 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_hf_checkpoint(model: nn.Module, hf_config: dict, out_dir: str) -> None:
-    """Write out_dir/config.json and out_dir/model.safetensors."""
+def save_hf_checkpoint(model: nn.Module, hf_config: dict, out_dir: str,
+                       max_shard_bytes: int = 4 << 30) -> None:
+    """Write out_dir/config.json and the weights: model.safetensors, or, past
+    max_shard_bytes, model-0000k-of-0000n.safetensors shards with
+    model.safetensors.index.json (transformers' layout), one shard in memory at a
+    time (a 7B model's serialized copy never sits beside the whole model)."""
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {name: t.cpu() for name, t in hf_state_dict(model).items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf_state_dict(model).items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for shard in shards for t in shard.values())},
+                 "weight_map": {tensor: file for file, shard in zip(names, shards) for tensor in shard}}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    for file, shard in zip(names, shards):
+        save_file({name: t.cpu() for name, t in shard.items()}, os.path.join(out_dir, file),
+                  metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)

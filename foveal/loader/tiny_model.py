@@ -33,9 +33,11 @@ def generation_config(special: dict[str, int]) -> dict:
 
 
 def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: int = 0,
-                     weights: bool = True) -> Path:
+                     weights: bool = True, dtype: str = "float32") -> Path:
     """Write a complete checkpoint folder for `preset` (atomically). weights=False
-    writes no safetensors: the folder serves load_format="dummy" (large presets)."""
+    writes no safetensors: the folder serves load_format="dummy" (large presets).
+    dtype: the stored weights' dtype (config.json says it), e.g. "bfloat16" for a
+    7B preset, whose float32 weights would not fit in memory."""
     from foveal.loader.export import save_hf_checkpoint
     from foveal.loader.presets import get_preset
     from foveal.loader.tiny_tokenizer import write_tiny_tokenizer
@@ -43,11 +45,13 @@ def build_checkpoint(out_dir: str | Path, preset: str = "tiny-qwen2-vl", seed: i
 
     out_dir = Path(out_dir)
     hf_config = get_preset(preset)
+    if dtype != "float32":
+        hf_config = {**hf_config, "dtype": dtype}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         if weights:
-            save_hf_checkpoint(build_dummy_model(hf_config, seed=seed), hf_config, staging)
+            save_hf_checkpoint(build_dummy_model(hf_config, seed=seed, dtype=dtype), hf_config, staging)
         else:
             write_json(staging / "config.json", hf_config)
         special = write_tiny_tokenizer(staging, vocab_size=min(512, _vocab_size(hf_config)))
@@ -104,7 +108,7 @@ def write_json(path: Path, data: dict) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     preset = args.preset or ARCH_PRESETS[args.arch]
-    path = build_checkpoint(args.out, preset, seed=args.seed)
+    path = build_checkpoint(args.out, preset, seed=args.seed, dtype=args.dtype)
     print(f"wrote {preset} checkpoint to {path}")
     return 0
 
@@ -119,4 +123,7 @@ def register(subparsers) -> None:
     parser.add_argument("--preset", help="any preset instead of --arch's tiny one "
                                          "(tiny-qwen2-vl, tiny-qwen2.5-vl, small, ...)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="stored weight dtype (bfloat16 for presets whose float32 weights "
+                             "do not fit in memory)")
     parser.set_defaults(func=_run)

@@ -16,9 +16,10 @@ from foveal.loader.weights import build_model, load_model
 from foveal.models.registry import get_model_class
 
 
-def engine_config(model_config, load_format="auto", device="cpu", seed=0) -> EngineConfig:
+def engine_config(model_config, load_format="auto", device="cpu", seed=0,
+                  dtype="float32") -> EngineConfig:
     return EngineConfig(model_config, CacheConfig(), SchedulerConfig(), MultimodalConfig(),
-                        load_format=load_format, device=device, seed=seed)
+                        load_format=load_format, device=device, seed=seed, dtype=dtype)
 
 
 def flat_layout(nested: dict) -> dict:
@@ -144,6 +145,31 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
     loaded = load_model(engine_config(config))
     for (name, param), expected in zip(loaded.named_parameters(), source.parameters()):
         assert torch.equal(param, expected), name
+
+
+def test_export_writes_shards_that_foveal_and_transformers_load(tmp_path):
+    """Past max_shard_bytes the export writes transformers' sharded layout (bf16 here, as
+    `foveal tiny-model --dtype bfloat16` stores a 7B preset)."""
+    import transformers
+
+    from foveal.loader.export import save_hf_checkpoint
+
+    hf_config = {**get_preset("tiny-qwen2-vl"), "dtype": "bfloat16"}
+    config = model_config_from_dict(hf_config, path=str(tmp_path))
+    source = load_model(engine_config(config, "dummy", seed=5, dtype="bfloat16"))
+    save_hf_checkpoint(source, hf_config, str(tmp_path), max_shard_bytes=200_000)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    assert not (tmp_path / "model.safetensors").exists()
+    loaded = load_model(engine_config(config, dtype="bfloat16"))
+    for (name, param), expected in zip(loaded.named_parameters(), source.parameters()):
+        assert param.dtype == torch.bfloat16 and torch.equal(param, expected), name
+    hf = transformers.Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path))
+    assert hf.dtype == torch.bfloat16
+    theirs = hf.state_dict()
+    for name, tensor in hf_state_dict(source).items():
+        assert torch.equal(theirs[name], tensor), name
 
 
 def test_folder_without_safetensors_is_a_checkpoint_error(tmp_path):
