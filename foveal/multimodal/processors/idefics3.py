@@ -73,6 +73,9 @@ class ProcessedIdefics3Image:
     def feature_data(self) -> dict[str, Any]:
         return {"pixel_values": self.pixel_values, "rows": self.rows, "cols": self.cols}
 
+    def prompt_text(self) -> str:
+        return replacement_text(self.markers, self.rows, self.cols, self.image_seq_len)
+
 
 def rescaled_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
     """transformers' longest-edge rule: (height, width) with the longest side = longest_edge,
@@ -257,7 +260,7 @@ def idefics3_expander(tokenizer) -> Callable:
 
     def expand(token_ids: list[int], items_by_modality: dict[str, tuple[int, list]]
                ) -> tuple[list[int], list[MMFeature]]:
-        queues, placeholders = {}, {}
+        queues = {}
         for modality, name in (("image", "<image>"), ("video", "<video>")):
             token_id, items = items_by_modality.get(modality, (-1, []))
             count = token_ids.count(token_id) if items else 0
@@ -266,7 +269,7 @@ def idefics3_expander(tokenizer) -> Callable:
                     f"the prompt has {count} {name} placeholder(s) but {len(items)} {modality}(s) "
                     f"were passed; the prompt needs one {name} per {modality} (LLM.chat() adds them)")
             if items:
-                queues[token_id], placeholders[token_id] = iter(items), modality
+                queues[token_id] = iter(items)
         expanded, features = [], []
         image_id = items_by_modality.get("image", (-1, []))[0]
         for token_id in token_ids:
@@ -274,9 +277,7 @@ def idefics3_expander(tokenizer) -> Callable:
                 expanded.append(token_id)
                 continue
             item = next(queues[token_id])
-            text = (item.prompt_text() if placeholders[token_id] == "video" else
-                    replacement_text(item.markers, item.rows, item.cols, item.image_seq_len))
-            replacement = tokenizer.encode(text)
+            replacement = tokenizer.encode(item.prompt_text())
             if replacement.count(image_id) != item.num_tokens:
                 raise ConfigError(f"the tokenizer does not encode {item.markers.image!r} as the image "
                                   f"token {image_id}; the checkpoint's tokenizer and config disagree")
