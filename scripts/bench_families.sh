@@ -4,8 +4,10 @@
 #   batch1.json      Foveal on one request alone: TTFT and decode
 #   throughput.json  Foveal (continuous batching) and transformers' generate() at static
 #                    batch sizes 1 and N over the same N requests
-# Usage: scripts/bench_families.sh [OUT_DIR] [PRESET:IMAGE_SIZE ...]
+# Usage: [DTYPE=bfloat16] [NUM_PROMPTS=N] scripts/bench_families.sh [OUT_DIR] [PRESET:IMAGE_SIZE ...]
 # The defaults fit a 24 GiB, 2-core machine and take about an hour on 2 cores.
+# DTYPE=bfloat16 stores the random weights in bf16 (OUT_DIR/models/PRESET) and runs both
+# systems in bf16: 7B / 8B presets fit in 24 GiB that way, one system at a time.
 set -euo pipefail
 out=${1:-bench_families}
 shift || true
@@ -18,7 +20,14 @@ mkdir -p "$out"
 for entry in "${entries[@]}"; do
   preset=${entry%%:*}
   size=${entry#*:}
-  common=(--dummy "$preset" --images-per-prompt 1 --image-size "$size" --image-size-range 0
+  if [ -n "${DTYPE:-}" ]; then
+    model="$out/models/$preset"
+    [ -f "$model/config.json" ] || foveal tiny-model "$model" --preset "$preset" --dtype "$DTYPE"
+    source=(--model "$model" --dtype "$DTYPE")
+  else
+    source=(--dummy "$preset")
+  fi
+  common=("${source[@]}" --images-per-prompt 1 --image-size "$size" --image-size-range 0
           --input-len 32 --output-len 32 --max-model-len 4096)
   echo "== $preset ($size)"
   foveal bench throughput "${common[@]}" --num-prompts 1 --json "$out/$preset-batch1.json"
