@@ -95,8 +95,10 @@ class EngineArgs:
             raise ConfigError("quantize_lm_head needs quantization='int8' (--quantization int8)")
         if device == "cpu":
             from foveal.cpu_features import cpu_features
+            from foveal.layers.linear import linear_layout
 
-            logger.info("CPU: %s; dtype %s -> %s", cpu_features().describe(), self.dtype, dtype)
+            logger.info("CPU: %s; dtype %s -> %s; linear weights %s", cpu_features().describe(),
+                        self.dtype, dtype, linear_layout())
             if quantization == "int8":
                 from foveal.layers.quantization import int8_kernel
 

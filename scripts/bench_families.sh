@@ -4,10 +4,11 @@
 #   batch1.json      Foveal on one request alone: TTFT and decode
 #   throughput.json  Foveal (continuous batching) and transformers' generate() at static
 #                    batch sizes 1 and N over the same N requests
-# Usage: [DTYPE=bfloat16] [NUM_PROMPTS=N] scripts/bench_families.sh [OUT_DIR] [PRESET:IMAGE_SIZE ...]
+# Usage: [DTYPE=bfloat16] [NUM_PROMPTS=N] [KV_BYTES=B] scripts/bench_families.sh [OUT_DIR] [PRESET:IMAGE_SIZE ...]
 # The defaults fit a 24 GiB, 2-core machine and take about an hour on 2 cores.
 # DTYPE=bfloat16 stores the random weights in bf16 (OUT_DIR/models/PRESET) and runs both
 # systems in bf16: 7B / 8B presets fit in 24 GiB that way, one system at a time.
+# KV_BYTES sets Foveal's KV pool (LLaVA-1.5-7B's 4,096-token context needs 2 GiB).
 set -euo pipefail
 out=${1:-bench_families}
 shift || true
@@ -26,6 +27,9 @@ for entry in "${entries[@]}"; do
     source=(--model "$model" --dtype "$DTYPE")
   else
     source=(--dummy "$preset")
+  fi
+  if [ -n "${KV_BYTES:-}" ]; then
+    source+=(--kv-cache-memory-bytes "$KV_BYTES")
   fi
   common=("${source[@]}" --images-per-prompt 1 --image-size "$size" --image-size-range 0
           --input-len 32 --output-len 32 --max-model-len 4096)
