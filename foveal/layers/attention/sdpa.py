@@ -39,6 +39,14 @@ def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> t
     return blocks * block_size + positions % block_size
 
 
+def _sdpa_3d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA on (heads, rows, D) tensors, called with a batch dimension: given 3-D inputs,
+    torch's CPU dispatch runs the unfused math kernel, 6-14x slower than the flash
+    kernel it picks for the same 4-D call (one LLaVA-NeXT prompt of 1,208 tokens in
+    bf16: 930 ms vs 90 ms per layer; docs/benchmarks.md)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], **kwargs)[0]
+
+
 @dataclass
 class _Prefill:
     rows: slice  # query rows of this request in the flattened batch
@@ -212,7 +220,7 @@ class SdpaBackend:
 
     def _causal(self, q, k, v) -> torch.Tensor:
         """One fresh sequence: q (n, H, D), k/v (n, Hkv, D) -> (n, H, D)."""
-        out = F.scaled_dot_product_attention(
+        out = _sdpa_3d(
             q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
             is_causal=True, scale=self.scale, enable_gqa=self.group > 1)  # (H, n, D)
         return out.transpose(0, 1)
@@ -248,7 +256,7 @@ class SdpaBackend:
             key_pos = torch.arange(seq_len, device=q.device)
             mask = (key_pos >= first.unsqueeze(-1)) & (key_pos <= last.unsqueeze(-1))  # (n, L)
             cache[key] = mask.repeat_interleave(self.group, dim=0)  # (n*G, L), as _grouped
-        out = F.scaled_dot_product_attention(
+        out = _sdpa_3d(
             self._grouped(q), keys.to(q.dtype), values.to(q.dtype), attn_mask=cache[key],
             scale=self.scale)  # (Hkv, n*G, D)
         return self._ungrouped(out, num_new)
@@ -279,7 +287,7 @@ class SdpaBackend:
         query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device) <= query_pos.unsqueeze(-1)  # (n, L)
         mask = mask.repeat_interleave(self.group, dim=0)  # (n*G, L), rows as _grouped lays out
-        out = F.scaled_dot_product_attention(
+        out = _sdpa_3d(
             self._grouped(q), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
             scale=self.scale)  # (Hkv, n*G, D)
         return self._ungrouped(out, num_new)
