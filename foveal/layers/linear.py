@@ -183,33 +183,27 @@ def packs_bf16() -> bool:
     return cpu_features().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-LINEAR_LAYOUTS = ("auto", "packed", "dense")
+LINEAR_LAYOUTS = ("packed", "dense")
 
 
 def linear_layout() -> str:
-    """"packed" (oneDNN-blocked weights where prepack_weights gives them) or "dense"
-    (F.linear on the dense weights everywhere). FOVEAL_LINEAR_LAYOUT picks one; "auto",
-    the default, is dense on CPUs with AMX and packed elsewhere. Measured end to end
-    (docs/benchmarks.md "Linear weight layout"): on an AMD EPYC with avx512_bf16 and
-    no AMX the blocked layout decodes ~2x faster than dense; on an Intel Xeon with
-    AMX it decoded 11-16% slower, fp32 and bf16, 0.5B to 7B."""
-    from foveal.cpu_features import cpu_features
-
-    choice = os.environ.get("FOVEAL_LINEAR_LAYOUT", "auto").lower()
+    """FOVEAL_LINEAR_LAYOUT: "packed" (the default: oneDNN-blocked weights where
+    prepack_weights gives them) or "dense" (F.linear on the dense weights everywhere).
+    On an AMX Xeon, end-to-end pairs disagreed between runs (docs/benchmarks.md "Linear
+    weight layout"), so the default stays the layout measured ~2x faster on an AMD EPYC."""
+    choice = os.environ.get("FOVEAL_LINEAR_LAYOUT", "packed").lower()
     if choice not in LINEAR_LAYOUTS:
-        raise ConfigError(f"FOVEAL_LINEAR_LAYOUT={choice!r}; expected auto, packed or dense")
-    if choice == "auto":
-        return "dense" if cpu_features().amx else "packed"
+        raise ConfigError(f"FOVEAL_LINEAR_LAYOUT={choice!r}; expected packed or dense")
     return choice
 
 
 def prepack_weights(model: nn.Module) -> int:
     """Give every float32 CPU linear layer (and the LM head) a oneDNN-blocked copy
     of its weight, used by forward() from then on; returns how many were packed.
-    Nothing is packed where linear_layout() is "dense" (CPUs with AMX, by default).
+    Nothing is packed with FOVEAL_LINEAR_LAYOUT=dense.
     bfloat16 layers too, on CPUs with bf16 instructions.
 
-    Why: on CPUs without AMX (an AMD EPYC measured), oneDNN's blocked GEMM runs
+    Why: on an AMD EPYC (avx512_bf16, no AMX), oneDNN's blocked GEMM runs
     1.5-2.5x faster than the dense `F.linear` path at every batch size (decode GEMVs
     included; see docs/benchmarks.md); in bf16, 2-3.6x faster than fp32 blocked where the CPU
     has bf16 dot products. The dense weight of a linear layer is released, since

@@ -163,7 +163,7 @@ def test_segment_attention_keeps_segments_apart():
 
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_prepacked_linear_layers_match_f_linear_in_their_dtype(monkeypatch, native_bf16):
-    """Without AMX, fp32 layers always get oneDNN's blocked weights; bf16 ones only on
+    """fp32 layers always get oneDNN's blocked weights; bf16 ones only on
     CPUs with bf16 instructions (elsewhere the blocked bf16 GEMM is emulated, and slow)."""
     from foveal import cpu_features
     from foveal.layers.linear import ReplicatedLinear, prepack_weights
@@ -192,9 +192,8 @@ def test_prepacked_linear_layers_match_f_linear_in_their_dtype(monkeypatch, nati
 
 def test_linear_layout_dense_keeps_dense_weights_and_rejects_unknown_names(monkeypatch):
     """FOVEAL_LINEAR_LAYOUT=dense: no layer is packed and forward() is F.linear on the
-    dense weight; auto packs only on CPUs without AMX; an unknown layout is a ConfigError,
-    not a silent default."""
-    from foveal import cpu_features
+    dense weight; packed packs it; an unknown layout is a ConfigError, not a silent
+    default."""
     from foveal.errors import ConfigError
     from foveal.layers.linear import ReplicatedLinear, prepack_weights
 
@@ -208,12 +207,7 @@ def test_linear_layout_dense_keeps_dense_weights_and_rejects_unknown_names(monke
     assert prepack_weights(layer) == 0
     assert layer.packed_weight is None
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
-    monkeypatch.setenv("FOVEAL_LINEAR_LAYOUT", "auto")  # dense where the CPU has AMX
-    monkeypatch.setattr(cpu_features, "cpu_features", lambda: cpu_features.CPUFeatures(
-        "test CPU", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}), "AVX512"))
-    assert prepack_weights(layer) == 0
-    monkeypatch.setattr(cpu_features, "cpu_features", lambda: cpu_features.CPUFeatures(
-        "test CPU", frozenset({"avx2"}), "AVX2"))
+    monkeypatch.setenv("FOVEAL_LINEAR_LAYOUT", "packed")
     assert prepack_weights(layer) == 1
     monkeypatch.setenv("FOVEAL_LINEAR_LAYOUT", "blocked")
     with pytest.raises(ConfigError, match="FOVEAL_LINEAR_LAYOUT"):
