@@ -200,8 +200,8 @@ def linear_layout() -> str:
 def prepack_weights(model: nn.Module) -> int:
     """Give every float32 CPU linear layer (and the LM head) a oneDNN-blocked copy
     of its weight, used by forward() from then on; returns how many were packed.
-    Nothing is packed with FOVEAL_LINEAR_LAYOUT=dense.
-    bfloat16 layers too, on CPUs with bf16 instructions.
+    bfloat16 layers too, on CPUs with bf16 instructions. Nothing is packed with
+    FOVEAL_LINEAR_LAYOUT=dense.
 
     Why: on an AMD EPYC (avx512_bf16, no AMX), oneDNN's blocked GEMM runs
     1.5-2.5x faster than the dense `F.linear` path at every batch size (decode GEMVs

@@ -163,8 +163,8 @@ def test_segment_attention_keeps_segments_apart():
 
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_prepacked_linear_layers_match_f_linear_in_their_dtype(monkeypatch, native_bf16):
-    """fp32 layers always get oneDNN's blocked weights; bf16 ones only on
-    CPUs with bf16 instructions (elsewhere the blocked bf16 GEMM is emulated, and slow)."""
+    """fp32 layers always get oneDNN's blocked weights; bf16 ones only on CPUs with
+    bf16 instructions (elsewhere the blocked bf16 GEMM is emulated, and slow)."""
     from foveal import cpu_features
     from foveal.layers.linear import ReplicatedLinear, prepack_weights
 
