@@ -47,6 +47,9 @@ class TextConfig:
     moe_intermediate_size: int = 0
     decoder_sparse_step: int = 1  # every n-th layer is sparse
     mlp_only_layers: tuple[int, ...] = ()  # dense even so
+    # Per decoder layer, its sliding window in tokens, 0 for full attention (Gemma 3);
+    # empty: every layer attends to the whole context.
+    layer_windows: tuple[int, ...] = ()
 
     def is_moe_layer(self, index: int) -> bool:
         return (self.num_experts > 0 and index not in self.mlp_only_layers
@@ -140,6 +143,9 @@ class CacheConfig:
     kv_offload: str | None = None
     kv_offload_bytes: int = 1 << 30
     kv_offload_path: str | None = None  # folder for "disk"
+    # Sliding-window layers keep every block, as full-attention ones do, instead of
+    # taking their own blocks and giving back those their window has left.
+    disable_hybrid_kv_cache_manager: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ class EngineArgs:
     kv_offload: str | None = None
     kv_offload_bytes: int = 1 << 30
     kv_offload_path: str | None = None
+    # Sliding-window layers keep every block (no own blocks, no eviction); also
+    # implied by --kv-offload and the prefill / decode roles, which move whole blocks.
+    disable_hybrid_kv_cache_manager: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     mm_encoder_tp_mode: str = "weights"  # "data": replicate the vision encoder, split items
@@ -112,7 +115,11 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching,
                               encoder_cache_size=self.encoder_cache_size,
                               kv_offload=self.kv_offload, kv_offload_bytes=self.kv_offload_bytes,
-                              kv_offload_path=self.kv_offload_path),
+                              kv_offload_path=self.kv_offload_path,
+                              disable_hybrid_kv_cache_manager=(
+                                  self.disable_hybrid_kv_cache_manager
+                                  or self.kv_offload is not None
+                                  or self.role in ("prefill", "decode"))),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len,

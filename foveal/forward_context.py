@@ -88,6 +88,14 @@ class ForwardContext:
     # True while a step runs over the decode graphs' static buffers (captured or not):
     # layers then keep their shapes fixed and read no device value on the host.
     static_shapes: bool = False
+    # With KV cache groups, per decoder layer the layout over its group's block
+    # tables (attn_metadata is group 0's); None: attn_metadata for every layer.
+    layer_metadata: list[AttentionMetadata] | None = None
+
+    def metadata_for(self, layer_idx: int) -> AttentionMetadata | None:
+        if self.layer_metadata is None:
+            return self.attn_metadata
+        return self.layer_metadata[layer_idx]
 
 
 _current: ForwardContext | None = None
@@ -96,9 +104,12 @@ _current: ForwardContext | None = None
 @contextmanager
 def forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
                     kv_scales: list[torch.Tensor] | None = None,
-                    static_shapes: bool = False) -> Iterator[ForwardContext]:
+                    static_shapes: bool = False,
+                    layer_metadata: list[AttentionMetadata] | None = None
+                    ) -> Iterator[ForwardContext]:
     global _current
-    previous, _current = _current, ForwardContext(attn_metadata, kv_caches, kv_scales, static_shapes)
+    previous, _current = _current, ForwardContext(attn_metadata, kv_caches, kv_scales,
+                                                  static_shapes, layer_metadata)
     try:
         yield _current
     finally:

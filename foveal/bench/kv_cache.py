@@ -7,6 +7,10 @@ workload (many image requests, that small pool); decode ms/token at long
 context (--long-context tokens of prompt, a pool sized to hold it); and,
 with --accuracy-prompts, teacher-forced top-1 agreement and mean |logit
 difference| against the first dtype (foveal/bench/kv_accuracy.py).
+--kv-layouts hybrid,plain runs each dtype twice on a model with sliding-window
+layers: with its own blocks for those layers, freed once out of the window
+(hybrid, the default), and with every layer in every block (plain,
+--disable-hybrid-kv-cache-manager).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class KVBenchPlan:
     dtypes: tuple[str, ...]
     workload: WorkloadSpec
     engine_kwargs: dict
+    layouts: tuple[str, ...] = ("hybrid",)
     long_context: int = 8192
     decode_tokens: int = 32
     accuracy_prompts: int = 0
@@ -47,17 +52,22 @@ def run_kv_bench(plan: KVBenchPlan) -> list[dict]:
     probe = _prompts(replace(plan.workload, seed=plan.workload.seed + 1), vocab)
     timed = _prompts(plan.workload, vocab)
     accuracy = _accuracy_setup(plan, vocab)
-    for dtype in plan.dtypes:
-        llm = LLM(model=str(plan.model_dir), kv_cache_dtype=dtype, **plan.engine_kwargs)
-        row = {"kv_cache_dtype": dtype,
-               "capacity_tokens": llm.get_metrics()["foveal:kv_cache_capacity_tokens"]}
+    for dtype, layout in [(d, layout) for d in plan.dtypes for layout in plan.layouts]:
+        kwargs = {**plan.engine_kwargs, "disable_hybrid_kv_cache_manager": layout == "plain"}
+        llm = LLM(model=str(plan.model_dir), kv_cache_dtype=dtype, **kwargs)
+        kv = llm.llm_engine.core.scheduler.kv
+        row = {"kv_cache_dtype": dtype, "kv_layout": layout,
+               "kv_groups": kv.groups.describe() if kv.groups.is_hybrid else "one group",
+               "capacity_tokens": llm.get_metrics()["foveal:kv_cache_capacity_tokens"],
+               "longest_request_tokens": kv.longest_request(
+                   llm.llm_engine.config.scheduler.max_num_batched_tokens)}
         row["peak_running_before_preemption"] = _peak_running(llm, *probe)
         row.update(_throughput(llm, *timed))
         if accuracy is not None:
             row.update(accuracy.measure(llm))
         del llm
         gc.collect()
-        row.update(_long_context_decode(plan, dtype, vocab))
+        row.update(_long_context_decode(plan, dtype, kwargs, vocab))
         plan.rows.append(row)
     return plan.rows
 
@@ -104,7 +114,8 @@ def _throughput(llm, prompts: list[dict], output_lens: list[int]) -> dict:
             "prefix_cache_hit_tokens": metrics["foveal:prefix_cache_hits_total"] - hits_before}
 
 
-def _long_context_decode(plan: KVBenchPlan, dtype: str, vocab: PromptVocab) -> dict:
+def _long_context_decode(plan: KVBenchPlan, dtype: str, engine_kwargs: dict,
+                         vocab: PromptVocab) -> dict:
     """Median decode step time with --long-context prompt tokens in the cache."""
     from foveal import LLM
 
@@ -112,7 +123,7 @@ def _long_context_decode(plan: KVBenchPlan, dtype: str, vocab: PromptVocab) -> d
         return {}
     rng = np.random.default_rng(1)
     prompt = {"prompt_token_ids": rng.choice(vocab.text_token_ids, plan.long_context).tolist()}
-    kwargs = {**plan.engine_kwargs, "kv_cache_memory_bytes": None,
+    kwargs = {**engine_kwargs, "kv_cache_memory_bytes": None,
               "max_model_len": plan.long_context + plan.decode_tokens + 16,
               "max_num_batched_tokens": 2048}
     llm = LLM(model=str(plan.model_dir), kv_cache_dtype=dtype, **kwargs)
@@ -151,13 +162,13 @@ def _accuracy_setup(plan: KVBenchPlan, vocab: PromptVocab) -> _Accuracy | None:
 
 def format_kv_table(rows: list[dict]) -> str:
     base = rows[0]
-    lines = ["| KV dtype | pool tokens | x | peak running | out tok/s | x | preemptions | "
-             "decode ms/tok @ctx | x | top-1 agree | mean abs dlogit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| KV dtype | layout | longest request | x | peak running | out tok/s | x | "
+             "preemptions | decode ms/tok @ctx | x | top-1 agree | mean abs dlogit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         decode = row.get("decode_ms_per_token")
-        cells = [row["kv_cache_dtype"], f"{row['capacity_tokens']:,}",
-                 f"{row['capacity_tokens'] / base['capacity_tokens']:.2f}",
+        cells = [row["kv_cache_dtype"], row["kv_layout"], f"{row['longest_request_tokens']:,}",
+                 f"{row['longest_request_tokens'] / base['longest_request_tokens']:.2f}",
                  str(row["peak_running_before_preemption"]), f"{row['output_tok_s']:.1f}",
                  f"{row['output_tok_s'] / base['output_tok_s']:.2f}", str(row["preemptions"]),
                  "-" if decode is None else f"{decode:.1f} @{row['long_context_tokens']}",
@@ -175,8 +186,13 @@ def _fmt(value, pattern: str) -> str:
 def run_bench_kv_cache(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs.pop("kv_cache_dtype")
+    kwargs.pop("disable_hybrid_kv_cache_manager")
+    layouts = tuple(args.kv_layouts.split(","))
+    if set(layouts) - {"hybrid", "plain"}:
+        raise SystemExit(f"--kv-layouts takes hybrid and plain, not {args.kv_layouts}")
     plan = KVBenchPlan(model_dir=model_dir_from_args(args), dtypes=tuple(args.kv_dtypes.split(",")),
                        workload=workload_spec_from_args(args), engine_kwargs=kwargs,
+                       layouts=layouts,
                        long_context=args.long_context, decode_tokens=args.decode_tokens,
                        accuracy_prompts=args.accuracy_prompts,
                        accuracy_tokens=args.accuracy_tokens)
@@ -196,6 +212,9 @@ def register_kv_cache(bench_commands) -> None:
     add_model_source_args(parser)
     parser.add_argument("--kv-dtypes", default="float32,int8,fp8_e4m3,int4",
                         help="comma-separated; the first is the baseline of every ratio")
+    parser.add_argument("--kv-layouts", default="hybrid",
+                        help="hybrid and/or plain, comma-separated: sliding-window layers in "
+                             "their own blocks, or every layer in every block")
     parser.add_argument("--long-context", type=int, default=8192,
                         help="prompt tokens for the decode timing (0: skip)")
     parser.add_argument("--decode-tokens", type=int, default=32)

@@ -11,6 +11,13 @@ pool reuses them: the free list is LRU, the least recently freed block goes
 first. With an offload connector (foveal/engine/kv_offload.py) a reused hashed
 block is offered to a second tier, and a hash the tier holds is a hit too: it
 gets a fresh block that the workers fill before the forward.
+
+With KV cache groups (foveal/engine/kv_groups.py: a model with sliding-window
+layers) every request holds one table per group, all of one length. A sliding
+group's table entries before its window are given back before each step (the
+null block takes their place), and a prefix hit there needs only the blocks of
+the last window before the hit: each group's cached blocks are keyed by
+(group, hash), one LRU free list serves them all.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import hashlib
 from collections import OrderedDict
 from typing import Sequence
 
+from foveal.engine.kv_groups import KVCacheGroups
 from foveal.engine.kv_offload import KVConnector
 from foveal.engine.request import Request
 
@@ -44,24 +52,37 @@ class KVCacheManager:
     """Owns which request holds which KV block; never touches tensors."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 offload: KVConnector | None = None):
+                 offload: KVConnector | None = None, groups: KVCacheGroups | None = None):
+        """groups: how layers share pages (None: one group, every layer in every block)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.groups = groups or KVCacheGroups((None,), ((),))
+        self.num_groups = self.groups.num_groups
+        if offload is not None and self.groups.is_hybrid:
+            raise ValueError("the KV offload tier keeps whole blocks of every layer; "
+                             "it does not take KV cache groups")
         self.offload = offload if enable_prefix_caching else None
+        # The null block stands in a sliding group's table for blocks given back.
+        self.null_block: int | None = 0 if self.groups.is_hybrid else None
         self._ref_counts = [0] * num_blocks
-        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._block_keys: list[tuple[int, bytes] | None] = [None] * num_blocks  # (group, hash)
         # Free blocks, LRU first; hashed ones are still prefix-cache hits.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[bytes, int] = {}
-        self._tables: dict[str, list[int]] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(
+            b for b in range(num_blocks) if b != self.null_block)
+        self._cached: dict[tuple[int, bytes], int] = {}
+        self._tables: dict[str, list[list[int]]] = {}  # per group, equal lengths
         # Leading blocks of a table already registered (or skipped) in _cached.
         self._num_registered: dict[str, int] = {}
 
     @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - (self.null_block is not None)
+
+    @property
     def num_tokens(self) -> int:
-        """Tokens the pool holds when full."""
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds when full (of one group: a page per block)."""
+        return self.num_usable_blocks * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,10 +91,16 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (0..1); cached free blocks count as free."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / max(self.num_usable_blocks, 1)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return list(self._tables.get(request_id, ()))
+        """The request's table of group 0 (full attention)."""
+        tables = self._tables.get(request_id)
+        return list(tables[0]) if tables else []
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's table in every group (the null block where given back)."""
+        return [list(t) for t in self._tables.get(request_id, [[]] * self.num_groups)]
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -81,106 +108,177 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def pages_needed(self, num_tokens: int, step_tokens: int) -> int:
+        """Blocks one request of num_tokens holds at most, all groups together."""
+        return self.groups.pages_needed(num_tokens, step_tokens, self.block_size)
+
+    def longest_request(self, step_tokens: int) -> int:
+        """Tokens of the longest request the empty pool holds, computed in steps of
+        up to step_tokens (with sliding groups more than num_tokens / num_groups)."""
+        low, high = 0, self.num_usable_blocks * self.block_size
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.pages_needed(middle, step_tokens) <= self.num_usable_blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
         """Longest cached prefix of a request that holds no blocks yet.
 
         Capped so at least one token is left to compute: the last known token
-        must run through the model to give logits. Returns (block ids in the
-        pool, tokens); the tokens include blocks the offload tier holds next,
-        which allocate_slots loads into fresh blocks.
+        must run through the model to give logits. Returns (per group, block
+        ids in the pool; tokens); the tokens include blocks the offload tier
+        holds next, which allocate_slots loads into fresh blocks. In a sliding
+        group the blocks before the window of the first token computed are the
+        null block: only the last window must be cached there.
         """
+        empty = [[] for _ in range(self.num_groups)]
         if not self.enable_prefix_caching or request.request_id in self._tables:
-            return [], 0
+            return empty, 0
         self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block_id = self._cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        num_offloaded = len(self._offloaded_prefix(request, len(hits)))
-        return hits, (len(hits) + num_offloaded) * self.block_size
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        num_hit = 0
+        while num_hit < len(hashes) and (0, hashes[num_hit]) in self._cached:
+            num_hit += 1
+        num_hit = self._window_hits(hashes, num_hit)
+        hits = [[self._cached[(g, hashes[i])] if i >= first else self.null_block
+                 for i in range(num_hit)]
+                for g, first in enumerate(self._first_live_blocks(num_hit * self.block_size))]
+        num_offloaded = len(self._offloaded_prefix(request, num_hit))
+        return hits, (num_hit + num_offloaded) * self.block_size
+
+    def _window_hits(self, hashes: list[bytes], num_hit: int) -> int:
+        """The longest hit of at most num_hit blocks whose windows every sliding
+        group holds: its blocks from the first one the window reads to the hit's end."""
+        changed = self.groups.is_hybrid
+        while changed and num_hit:
+            changed = False
+            for group in range(1, self.num_groups):
+                while num_hit and not all(
+                        (group, hashes[i]) in self._cached for i in range(
+                            self.groups.first_live_block(group, num_hit * self.block_size,
+                                                         self.block_size), num_hit)):
+                    num_hit -= 1
+                    changed = True
+        return num_hit
+
+    def _first_live_blocks(self, first_query: int) -> list[int]:
+        return [self.groups.first_live_block(g, first_query, self.block_size)
+                for g in range(self.num_groups)]
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
-    ) -> list[int] | None:
-        """Grow the request's table to hold num_new_tokens more tokens.
+        self, request: Request, num_new_tokens: int,
+        computed_blocks: list[list[int]] | None = None) -> list[list[int]] | None:
+        """Grow the request's tables to hold num_new_tokens more tokens.
 
         computed_blocks (from get_computed_blocks, called just before) is only
         for a request with no blocks and num_computed_tokens == 0; the offload
-        tier's part of that hit is loaded into the first new blocks. Returns the
-        block ids appended to the table, or None — allocating nothing — if the
-        pool is too small.
+        tier's part of that hit is loaded into the first new blocks. A running
+        request's sliding groups first give back the blocks before the window of
+        its next token. Returns the block ids appended to each group's table, or
+        None — allocating nothing — if the pool is too small.
         """
-        table = self._tables.get(request.request_id, [])
-        computed = computed_blocks or []
-        offloaded = [] if computed_blocks is None else self._offloaded_prefix(request, len(computed))
-        num_hit_blocks = len(computed) + len(offloaded)
+        tables = self._tables.get(request.request_id)
+        if tables is not None:
+            self._drop_outside_windows(request.request_id, request.num_computed_tokens)
+        else:
+            tables = [[] for _ in range(self.num_groups)]
+        computed = computed_blocks or [[] for _ in range(self.num_groups)]
+        offloaded = [] if computed_blocks is None else self._offloaded_prefix(
+            request, len(computed[0]))
+        num_hit_blocks = len(computed[0]) + len(offloaded)
         num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
-        num_new_blocks = max(0, self.blocks_needed(num_tokens) - len(table) - len(computed))
-        num_free_hits = sum(1 for b in computed if self._ref_counts[b] == 0)
-        if num_new_blocks > len(self._free) - num_free_hits:
+        num_new_blocks = max(0, self.blocks_needed(num_tokens) - len(tables[0]) - len(computed[0]))
+        hit_ids = [b for group in computed for b in group if b != self.null_block]
+        num_free_hits = sum(1 for b in hit_ids if self._ref_counts[b] == 0)
+        if num_new_blocks * self.num_groups > len(self._free) - num_free_hits:
             return None
-        for block_id in computed:
+        for block_id in hit_ids:
             self._take_cached(block_id)
         if offloaded:
             self.offload.pin(offloaded)
-        new_blocks = computed + [self._take_free() for _ in range(num_new_blocks)]
-        for block_hash, block_id in zip(offloaded, new_blocks[len(computed):]):
-            self.offload.load(block_hash, block_id)
-            self._block_hashes[block_id] = block_hash
-            self._cached[block_hash] = block_id
-        self._tables[request.request_id] = table + new_blocks
+        appended = []
+        for group, table in enumerate(tables):
+            new_blocks = computed[group] + [self._take_free() for _ in range(num_new_blocks)]
+            if group == 0:
+                for block_hash, block_id in zip(offloaded, new_blocks[len(computed[0]):]):
+                    self.offload.load(block_hash, block_id)
+                    self._block_keys[block_id] = (0, block_hash)
+                    self._cached[(0, block_hash)] = block_id
+            table.extend(new_blocks)
+            appended.append(new_blocks)
+        self._tables[request.request_id] = tables
         if num_hit_blocks:
             self._num_registered[request.request_id] = num_hit_blocks
-        return new_blocks
+        return appended
+
+    def _drop_outside_windows(self, request_id: str, first_query: int) -> None:
+        """Give back sliding groups' blocks that no query from first_query on reads."""
+        tables = self._tables[request_id]
+        for group, first in enumerate(self._first_live_blocks(first_query)):
+            table = tables[group]
+            for index in range(min(first, len(table))):
+                if table[index] != self.null_block:
+                    self._release(table[index])
+                    table[index] = self.null_block
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register hashes of blocks the request has fully computed."""
         if not self.enable_prefix_caching:
             return
-        table = self._tables.get(request.request_id, [])
+        tables = self._tables.get(request.request_id)
+        if tables is None:
+            return
         # A stop inside an accepted run can leave computed KV past the last kept token.
         num_computed = min(request.num_computed_tokens, request.num_tokens)
-        num_full = min(num_computed // self.block_size, len(table))
+        num_full = min(num_computed // self.block_size, len(tables[0]))
         self._update_block_hashes(request)
         start = self._num_registered.get(request.request_id, 0)
-        for index in range(start, num_full):
-            block_id, block_hash = table[index], request.block_hashes[index]
-            # An identical block computed by another request keeps the entry.
-            if self._block_hashes[block_id] is None and block_hash not in self._cached:
-                self._block_hashes[block_id] = block_hash
-                self._cached[block_hash] = block_id
+        for group, table in enumerate(tables):
+            for index in range(start, num_full):
+                block_id, key = table[index], (group, request.block_hashes[index])
+                # An identical block computed by another request keeps the entry.
+                if (block_id != self.null_block and self._block_keys[block_id] is None
+                        and key not in self._cached):
+                    self._block_keys[block_id] = key
+                    self._cached[key] = block_id
         self._num_registered[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
         """Drop the request's references; unshared blocks return to the pool."""
-        table = self._tables.pop(request.request_id, [])
+        tables = self._tables.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
         # Tail blocks first, so a prefix chain is evicted from its end.
-        for block_id in reversed(table):
-            self._release(block_id)
+        for table in tables:
+            for block_id in reversed(table):
+                if block_id != self.null_block:
+                    self._release(block_id)
 
-    def trim(self, request: Request, num_tokens: int) -> list[int]:
+    def trim(self, request: Request, num_tokens: int) -> int:
         """Give back the trailing blocks the request's first num_tokens do not
-        reach (slots of rejected drafts); returns the freed block ids."""
-        table = self._tables.get(request.request_id, [])
+        reach (slots of rejected drafts); returns how many each table dropped."""
+        tables = self._tables.get(request.request_id, [])
         keep = self.blocks_needed(num_tokens)
-        trailing = table[keep:]
-        del table[keep:]
+        num_trimmed = 0
+        for table in tables:
+            trailing = table[keep:]
+            del table[keep:]
+            num_trimmed = len(trailing)
+            for block_id in reversed(trailing):
+                if block_id != self.null_block:
+                    self._release(block_id)
         registered = self._num_registered.get(request.request_id)
         if registered is not None:
             self._num_registered[request.request_id] = min(registered, keep)
-        for block_id in reversed(trailing):
-            self._release(block_id)
-        return trailing
+        return num_trimmed
 
     def _release(self, block_id: int) -> None:
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
             self._free[block_id] = None
-            if self._block_hashes[block_id] is None:
+            if self._block_keys[block_id] is None:
                 # Holds nothing reusable: hand it out before cached blocks.
                 self._free.move_to_end(block_id, last=False)
 
@@ -191,13 +289,13 @@ class KVCacheManager:
 
     def _take_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
-        block_hash = self._block_hashes[block_id]
-        if block_hash is not None:
-            if self._cached.get(block_hash) == block_id:
-                del self._cached[block_hash]
+        key = self._block_keys[block_id]
+        if key is not None:
+            if self._cached.get(key) == block_id:
+                del self._cached[key]
                 if self.offload is not None:
-                    self.offload.on_evict(block_hash, block_id)
-            self._block_hashes[block_id] = None
+                    self.offload.on_evict(key[1], block_id)
+            self._block_keys[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -208,7 +306,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes: list[bytes] = []
         for block_hash in request.block_hashes[start:max_blocks]:
-            if block_hash in self._cached or not self.offload.contains(block_hash):
+            if (0, block_hash) in self._cached or not self.offload.contains(block_hash):
                 break
             hashes.append(block_hash)
         return hashes

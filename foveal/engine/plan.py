@@ -26,7 +26,7 @@ class NewRequestData:
     token_ids: list[int]
     mm_features: list[MMFeature]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (foveal/engine/kv_groups.py)
     num_computed_tokens: int
 
 
@@ -34,12 +34,14 @@ class NewRequestData:
 class CachedRequestData:
     """A request the workers already hold: only what changed this step.
 
-    Workers drop the last num_trimmed_blocks of their block table (given back
-    after rejected drafts), then append new_block_ids.
+    Workers drop the last num_trimmed_blocks of each group's block table (given
+    back after rejected drafts), then append that group's new_block_ids. Blocks
+    a sliding group gave back before its window are not announced: no query
+    reads them again.
     """
 
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     num_trimmed_blocks: int = 0
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from foveal.config import CacheConfig, SchedulerConfig
 from foveal.engine.encoder_budget import EncoderBudget
 from foveal.engine.encoder_connector import EncoderConnector
+from foveal.engine.kv_groups import KVCacheGroups
 from foveal.engine.kv_manager import KVCacheManager
 from foveal.engine.kv_offload import OffloadTier
 from foveal.engine.plan import CachedRequestData, ModelRunnerOutput, NewRequestData, StepPlan
@@ -41,15 +42,17 @@ class _StepBudget:
 
 def build_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                     num_blocks: int, block_bytes: int = 0,
-                    encoder_connector: EncoderConnector | None = None) -> "Scheduler":
+                    encoder_connector: EncoderConnector | None = None,
+                    kv_groups: KVCacheGroups | None = None) -> "Scheduler":
     """A scheduler with the default KV manager, offload tier and encoder budget.
 
     block_bytes: KV bytes of one block (all layers), sizes the offload tier.
+    kv_groups: how the workers' pool lays layers over pages (None: one group).
     """
     offload = (OffloadTier(cache_config.kv_offload_bytes // max(block_bytes, 1), block_bytes)
                if cache_config.kv_offload else None)
     kv = KVCacheManager(num_blocks, cache_config.block_size,
-                        cache_config.enable_prefix_caching, offload)
+                        cache_config.enable_prefix_caching, offload, kv_groups)
     scheduler = Scheduler(scheduler_config, kv, EncoderBudget(cache_config.encoder_cache_size),
                           encoder_connector)
     scheduler.stats.kv_cache_dtype = cache_config.kv_cache_dtype
@@ -98,12 +101,17 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         num_kv_tokens = max_len if max_tokens is None else min(
             max_len, request.num_prompt_tokens + max_tokens)
-        num_blocks = self.kv.blocks_needed(num_kv_tokens)
-        if num_blocks > self.kv.num_blocks:
+        num_blocks = self.kv.pages_needed(num_kv_tokens, self.config.max_num_batched_tokens)
+        if num_blocks > self.kv.num_usable_blocks:
             raise InvalidRequestError(
                 f"request needs up to {num_blocks} KV blocks ({num_kv_tokens} tokens) but the "
-                f"pool has {self.kv.num_blocks}; raise --kv-cache-memory-bytes or lower "
+                f"pool has {self.kv.num_usable_blocks}; raise --kv-cache-memory-bytes or lower "
                 f"max_tokens / --max-model-len")
+        if self.kv.groups.is_hybrid and (request.kv_import is not None or request.export_kv):
+            raise InvalidRequestError(
+                "KV transfer between prefill and decode workers moves whole blocks of every "
+                "layer; this engine gives sliding-window layers their own blocks (start it "
+                "with --disable-hybrid-kv-cache-manager to transfer KV)")
         for feature in request.mm_features:
             self.encoder.check_fits(feature, self.config.encoder_compute_budget)
             longest = max((end - start for start, end in feature.bidirectional_spans), default=0)
@@ -178,11 +186,11 @@ class Scheduler:
 
     def _cached_request_data(self, request: Request) -> CachedRequestData:
         """What the workers must change in their copy of the block table."""
-        block_ids = self.kv.block_ids(request.request_id)
+        tables = self.kv.group_block_ids(request.request_id)
         kept = self._num_blocks_sent[request.request_id]
         num_trimmed = self._num_blocks_to_trim.pop(request.request_id, 0)
-        self._num_blocks_sent[request.request_id] = len(block_ids)
-        return CachedRequestData(request.request_id, block_ids[kept:],
+        self._num_blocks_sent[request.request_id] = len(tables[0])
+        return CachedRequestData(request.request_id, [table[kept:] for table in tables],
                                  request.num_computed_tokens, num_trimmed)
 
     def _record_drafts(self, plan: StepPlan, request: Request, num_new: int) -> None:
@@ -234,17 +242,17 @@ class Scheduler:
                 break  # FCFS: nobody overtakes a request waiting for the encoder
             self.waiting.popleft()
             self._admit(request, num_hit)
-            block_ids = self.kv.block_ids(request.request_id)
-            self._num_blocks_sent[request.request_id] = len(block_ids)
-            if num_imported:
+            tables = self.kv.group_block_ids(request.request_id)
+            self._num_blocks_sent[request.request_id] = len(tables[0])
+            if num_imported:  # one group: check_request refuses imports with several
                 first, end = num_hit // self.kv.block_size, self.kv.blocks_needed(
                     request.num_computed_tokens)
-                plan.kv_imports[request.request_id] = [(i, block_ids[i]) for i in range(first, end)]
+                plan.kv_imports[request.request_id] = [(i, tables[0][i]) for i in range(first, end)]
                 self.stats.kv_imported_tokens += num_imported
             plan.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids),
                 [feature.without_payload() for feature in request.mm_features],
-                request.sampling_params, block_ids, request.num_computed_tokens))
+                request.sampling_params, tables, request.num_computed_tokens))
             self._record(plan, budget, request, num_new, encoder_inputs)
 
     def _num_importable(self, request: Request, num_hit: int) -> int:
@@ -362,11 +370,11 @@ class Scheduler:
         num_rejected = len(drafts) - num_accepted
         if num_rejected > 0:
             request.num_computed_tokens -= num_rejected
-            freed = self.kv.trim(request, request.num_computed_tokens)
-            if freed:  # the workers hold them until the next plan says so
+            num_freed = self.kv.trim(request, request.num_computed_tokens)
+            if num_freed:  # the workers hold them until the next plan says so
                 rid = request.request_id
-                self._num_blocks_sent[rid] -= len(freed)
-                self._num_blocks_to_trim[rid] = self._num_blocks_to_trim.get(rid, 0) + len(freed)
+                self._num_blocks_sent[rid] -= num_freed
+                self._num_blocks_to_trim[rid] = self._num_blocks_to_trim.get(rid, 0) + num_freed
         self.stats.record_verification(len(drafts), num_accepted)
 
     def _release_consumed_items(self, request: Request) -> None:

@@ -69,6 +69,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-offload-bytes", type=int, default=1 << 30,
                        help="size of the KV offload tier")
     group.add_argument("--kv-offload-path", help="folder for --kv-offload disk")
+    group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="sliding-window layers (Gemma 3) keep every KV block like "
+                            "full-attention ones, instead of their own blocks freed once "
+                            "out of the window (implied by --kv-offload and the prefill / "
+                            "decode roles)")
     group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="worker processes the model is split over")
     group.add_argument("--distributed-executor-backend",
@@ -98,6 +103,7 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_bat
                 "encoder_cache_size", "encoder_compute_budget",
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
                 "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
+                "disable_hybrid_kv_cache_manager",
                 "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend",
                 "mm_encoder_tp_mode", "speculative_config", "quantization", "quantize_lm_head",
                 "enforce_eager")

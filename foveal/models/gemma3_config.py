@@ -104,7 +104,9 @@ def gemma3_model_config(hf: dict, path: str | None, eos_token_ids: tuple[int, ..
         max_position_embeddings=text["max_position_embeddings"],
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
         hidden_act=text.get("hidden_act") or text["hidden_activation"],
-        attention_bias=bool(text.get("attention_bias", False)))
+        attention_bias=bool(text.get("attention_bias", False)),
+        layer_windows=tuple(int(text["sliding_window"]) if sliding else 0
+                            for sliding in _sliding_layers(text)))
     vision_config = VisionConfig(
         variant="siglip", depth=vision["num_hidden_layers"], hidden_size=vision["hidden_size"],
         num_heads=vision["num_attention_heads"], intermediate_size=vision["intermediate_size"],

@@ -66,6 +66,8 @@ def graphs_apply(config: EngineConfig, kv_caches: KVCaches, has_draft_head: bool
         return "tensor parallelism"
     if config.transfer.role == "encode":
         return "an encode worker has no decoder"
+    if kv_caches.spec.layer_groups.is_hybrid:
+        return "sliding-window layers have their own block tables (KV cache groups)"
     if not kv_caches.layers or not kernel_fits(kv_caches.layers[0]):
         return "the KV block shape does not fit the Triton kernels"
     return None

@@ -9,6 +9,7 @@ import os
 import torch
 
 from foveal.config import CacheConfig, ModelConfig
+from foveal.engine.kv_groups import KVCacheGroups
 from foveal.errors import ConfigError
 from foveal.layers.attention.kv_quant import (QUANTIZED_KV_DTYPES, canonical_kv_dtype,
                                               get_kv_codec)
@@ -31,7 +32,18 @@ def kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig, model_dt
     return KVCacheSpec(num_layers=text.num_hidden_layers, block_size=cache_config.block_size,
                        num_kv_heads=max(1, text.num_key_value_heads // tp_size),
                        head_dim=text.head_dim, dtype=torch_dtype(float_name),
-                       quantization=name if quantized else None)
+                       quantization=name if quantized else None,
+                       groups=kv_cache_groups(model_config, cache_config))
+
+
+def kv_cache_groups(model_config: ModelConfig, cache_config: CacheConfig) -> KVCacheGroups | None:
+    """Groups for a model with sliding-window layers (kv_groups.py), unless
+    cache_config turns them off; None: one group, every layer in every block."""
+    windows = model_config.text.layer_windows
+    if not any(windows) or cache_config.disable_hybrid_kv_cache_manager:
+        return None
+    groups = KVCacheGroups.for_layers([window or None for window in windows])
+    return groups if groups.is_hybrid else None
 
 
 def available_kv_memory(cache_config: CacheConfig, device: str | torch.device) -> int:

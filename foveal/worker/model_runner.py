@@ -37,7 +37,7 @@ logger = init_logger(__name__)
 class RequestState:
     request_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group; group 0 attends to the full context
     mm_features: list[MMFeature]
     sampling_params: SamplingParams
     prompt_positions: np.ndarray  # (num_axes, num_prompt_tokens) int64
@@ -63,7 +63,9 @@ class ScheduledRequest:
 class Batch:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (num_axes, T) int64, or (T,) for one axis
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata  # over group 0's block tables
+    # With KV cache groups: per decoder layer, the layout over its group's tables.
+    layer_metadata: list[AttentionMetadata] | None
     logits_indices: torch.Tensor  # (N,) int64: rows to sample: each sampled request's
     # last known token and its drafts
     sampled: list[ScheduledRequest]
@@ -150,7 +152,9 @@ class ModelRunner:
                                                    batch.attn_metadata)
             if hidden_states is not None:
                 return hidden_states, hidden_states
-        with forward_context(batch.attn_metadata, self.kv_caches.layers, self.kv_caches.scales):
+        caches, scales = self.kv_caches.per_layer()
+        with forward_context(batch.attn_metadata, caches, scales,
+                             layer_metadata=batch.layer_metadata):
             if aux_layers:
                 return self.model(inputs_embeds, batch.positions, aux_layers)
             hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)
@@ -178,7 +182,7 @@ class ModelRunner:
             if request_id in output.failed_requests or request_id not in self.requests:
                 continue
             num_blocks = -(-num_tokens // self.block_size)
-            block_ids = self.requests[request_id].block_ids[:num_blocks]
+            block_ids = self.requests[request_id].block_ids[0][:num_blocks]
             output.kv_exports[request_id] = self.kv_caches.read_stacked(block_ids)
 
     def _update_states(self, plan: StepPlan) -> None:
@@ -188,9 +192,10 @@ class ModelRunner:
             self._add_request(new_request)
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
-            if cached.num_trimmed_blocks:
-                del state.block_ids[-cached.num_trimmed_blocks:]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, new_block_ids in zip(state.block_ids, cached.new_block_ids):
+                if cached.num_trimmed_blocks:
+                    del table[-cached.num_trimmed_blocks:]
+                table.extend(new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _with_payload(self, request_id: str, index: int,
@@ -211,7 +216,7 @@ class ModelRunner:
         positions, delta = self.position_rule.prompt_positions(new.token_ids, new.mm_features)
         self.requests[new.request_id] = RequestState(
             request_id=new.request_id, token_ids=list(new.token_ids),
-            block_ids=list(new.block_ids), mm_features=new.mm_features,
+            block_ids=[list(table) for table in new.block_ids], mm_features=new.mm_features,
             sampling_params=new.sampling_params, prompt_positions=positions,
             position_delta=delta, generator=generator,
             num_computed_tokens=new.num_computed_tokens)
@@ -262,10 +267,18 @@ class ModelRunner:
         row_starts = np.repeat(starts - query_start_loc[:-1], num_new)  # (T,)
         token_index = np.arange(query_start_loc[-1]) + row_starts  # (T,)
         request_index = np.repeat(np.arange(len(states)), num_new)  # (T,)
-        block_tables = block_table_array([s.block_ids for s in states])  # (B, max_blocks)
-        slot_mapping = (block_tables[request_index, token_index // self.block_size]
-                        .astype(np.int64) * self.block_size
-                        + token_index % self.block_size)  # (T,)
+        spans = [[span for f in s.mm_features for span in f.bidirectional_spans] for s in states]
+        group_metadata = []
+        for group in range(len(states[0].block_ids)):
+            block_tables = block_table_array([s.block_ids[group] for s in states])  # (B, nb)
+            slot_mapping = (block_tables[request_index, token_index // self.block_size]
+                            .astype(np.int64) * self.block_size
+                            + token_index % self.block_size)  # (T,)
+            metadata = AttentionMetadata.from_arrays(slot_mapping, query_start_loc, seq_lens,
+                                                     block_tables, self.block_size, self.device)
+            metadata.bidirectional_spans = spans if any(spans) else None
+            group_metadata.append(metadata)
+        groups = self.kv_caches.spec.layer_groups
         input_ids = list(chain.from_iterable(
             _new_token_ids(item, a, b)
             for item, a, b in zip(scheduled, starts.tolist(), seq_lens.tolist())))
@@ -274,14 +287,12 @@ class ModelRunner:
         num_rows = seq_lens - known + 1  # (B,): that token's row and one per draft
         logits_indices = [np.arange(end - rows, end) for end, rows, m in zip(
             query_start_loc[1:], num_rows, sampled_mask) if m]
-        attn_metadata = AttentionMetadata.from_arrays(slot_mapping, query_start_loc, seq_lens,
-                                                      block_tables, self.block_size, self.device)
-        spans = [[span for f in s.mm_features for span in f.bidirectional_spans] for s in states]
-        attn_metadata.bidirectional_spans = spans if any(spans) else None
         return Batch(
             input_ids=self._to_device(np.array(input_ids, dtype=np.int64)),
             positions=self._to_device(self._positions(states, starts, num_new, token_index)),
-            attn_metadata=attn_metadata,
+            attn_metadata=group_metadata[0],
+            layer_metadata=[group_metadata[groups.group_of(layer)]
+                            for layer in range(groups.num_layers)] if groups.is_hybrid else None,
             logits_indices=self._to_device(np.concatenate(logits_indices or [np.zeros(0, int)])
                                            .astype(np.int64)),
             sampled=[item for item, m in zip(scheduled, sampled_mask.tolist()) if m])

@@ -82,8 +82,9 @@ class Worker:
             draft = draft_cache_block_bytes(self.draft_head, self.kv_cache_spec.block_size,
                                             torch_dtype(self.config.dtype))
             memory_bytes = memory_bytes * block // (block + draft)
-        return self.kv_cache_spec.num_blocks_for(memory_bytes,
-                                                 self.config.scheduler.max_model_len)
+        scheduler = self.config.scheduler
+        return self.kv_cache_spec.num_blocks_for(memory_bytes, scheduler.max_model_len,
+                                                 scheduler.max_num_batched_tokens)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return self.kv_cache_spec

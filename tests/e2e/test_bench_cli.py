@@ -71,3 +71,27 @@ def test_bench_kv_cache_compares_dtypes_at_one_pool_size(tmp_path, monkeypatch, 
         rows["int4"]["peak_running_before_preemption"]
     assert rows["float32"]["top1_agreement"] == 1.0 and rows["int8"]["positions"] == 8
     assert all(row["decode_ms_per_token"] > 0 for row in rows.values())
+
+
+def test_bench_kv_cache_compares_sliding_window_layouts(tmp_path, monkeypatch, capsys):
+    """Gemma 3's sliding layers in their own blocks (hybrid) against every layer in
+    every block (plain), at one pool size: longer requests fit, more run at once."""
+    monkeypatch.setenv("FOVEAL_CACHE", str(tmp_path / "cache"))
+    report_path = tmp_path / "kv.json"
+    rc = main(["bench", "kv-cache", "--dummy", "tiny-gemma3", "--kv-dtypes", "float32",
+               "--kv-layouts", "plain,hybrid", "--num-prompts", "12", "--images-per-prompt", "1",
+               "--image-size", "112x112", "--input-len", "80", "--output-len", "8",
+               "--output-len-range", "0", "--max-model-len", "256",
+               "--max-num-batched-tokens", "32", "--block-size", "4",
+               "--kv-cache-memory-bytes", str(320 * 1024), "--long-context", "0",
+               "--json", str(report_path)])
+    assert rc == 0
+    assert "| float32 | hybrid |" in capsys.readouterr().out
+    rows = {row["kv_layout"]: row for row in json.loads(report_path.read_text())["rows"]}
+    assert rows["plain"]["kv_groups"] == "one group"
+    assert rows["hybrid"]["kv_groups"].startswith("2 KV groups of 2 layers")
+    # a page holds 2 of the 4 layers: about twice the tokens, less one window
+    assert rows["hybrid"]["longest_request_tokens"] > 1.7 * rows["plain"]["longest_request_tokens"]
+    assert rows["hybrid"]["peak_running_before_preemption"] > \
+        rows["plain"]["peak_running_before_preemption"]
+    assert rows["hybrid"]["preemptions"] < rows["plain"]["preemptions"]

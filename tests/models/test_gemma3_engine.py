@@ -50,8 +50,9 @@ def hf_model(checkpoint):
 
 def _llm(checkpoint: str, **options) -> LLM:
     # 24-token steps: most steps would end inside a 16-token image run without the rule
+    options = {"kv_cache_memory_bytes": 4 << 20, **options}
     return LLM(model=checkpoint, max_model_len=400, max_num_batched_tokens=24, max_num_seqs=8,
-               block_size=4, kv_cache_memory_bytes=4 << 20, **options)
+               block_size=4, **options)
 
 
 @torch.inference_mode()
@@ -129,3 +130,87 @@ def test_tensor_parallel_keeps_greedy_parity(checkpoint, hf_model):
     llm = _llm(checkpoint, tensor_parallel_size=2)
     output = llm.chat([CONVERSATIONS[1]], PARAMS, use_tqdm=False)[0]
     _check(hf_model, CONVERSATIONS[1], output)
+
+
+LONG = _user("Tell me everything about this picture, " * 12, [_image(120, 150, 5)])
+
+
+def _peak_blocks_held(llm: LLM, conversations, params, **kwargs):
+    """Outputs, and the most blocks the requests held after any step's allocation."""
+    scheduler = llm.llm_engine.core.scheduler
+    schedule, peak = scheduler.schedule, [0]
+
+    def tracked():
+        plan = schedule()
+        peak[0] = max(peak[0], scheduler.kv.num_usable_blocks - scheduler.kv.num_free_blocks)
+        return plan
+
+    scheduler.schedule = tracked
+    try:
+        return llm.chat(conversations, params, use_tqdm=False, **kwargs), peak[0]
+    finally:
+        scheduler.schedule = schedule
+
+
+def test_sliding_layers_free_blocks_behind_the_window(checkpoint, hf_model):
+    """Sliding layers keep their own blocks and give back those behind the window:
+    the same answers as transformers, with and without, in fewer blocks."""
+    hybrid = _llm(checkpoint)
+    groups = hybrid.llm_engine.core.scheduler.kv.groups
+    assert groups.windows == (None, 16) and groups.layers == ((1, 3), (0, 2))
+    outputs, hybrid_peak = _peak_blocks_held(hybrid, [LONG, CONVERSATIONS[1]], PARAMS)
+    assert len(outputs[0].prompt_token_ids) > 150  # far past the 16-token window
+    for conversation, output in zip([LONG, CONVERSATIONS[1]], outputs):
+        _check(hf_model, conversation, output)
+    plain = _llm(checkpoint, disable_hybrid_kv_cache_manager=True)
+    assert not plain.llm_engine.core.scheduler.kv.groups.is_hybrid
+    plain_outputs, plain_peak = _peak_blocks_held(plain, [LONG, CONVERSATIONS[1]], PARAMS)
+    for output, plain_output in zip(outputs, plain_outputs):
+        assert plain_output.outputs[0].token_ids == output.outputs[0].token_ids
+    # a block holds 2 layers either way (plain: 4 layers in half as many blocks)
+    assert hybrid_peak * 2 < plain_peak * 4 * 0.75
+    again = hybrid.chat([LONG], PARAMS, use_tqdm=False)[0]  # hits on the last window
+    assert again.num_cached_tokens >= len(again.prompt_token_ids) - 4
+    _check(hf_model, LONG, again)
+
+
+def test_sliding_groups_with_preemption_and_int8_kv(checkpoint, hf_model):
+    """A pool too small for the batch preempts and recomputes; quantized KV
+    blocks carry their scales in every group. Answers equal the run without
+    groups (int8 KV: the same quantized values either way)."""
+    conversations = [LONG, *CONVERSATIONS]
+    # 576-byte pages (2 layers of int8 blocks + scales): 128 pages, one request's worth
+    small = dict(kv_cache_memory_bytes=128 * 576, kv_cache_dtype="int8")
+    hybrid = _llm(checkpoint, **small)
+    outputs = hybrid.chat(conversations, PARAMS, use_tqdm=False)
+    assert hybrid.get_metrics()["foveal:num_preemptions_total"] > 0
+    plain = _llm(checkpoint, disable_hybrid_kv_cache_manager=True, **{**small,
+                 "kv_cache_memory_bytes": 8 << 20})
+    for output, plain_output in zip(outputs, plain.chat(conversations, PARAMS, use_tqdm=False)):
+        assert output.outputs[0].token_ids == plain_output.outputs[0].token_ids
+        np.testing.assert_allclose([s[t].logprob for s, t in zip(output.outputs[0].logprobs,
+                                                                 output.outputs[0].token_ids)],
+                                   [s[t].logprob for s, t in zip(plain_output.outputs[0].logprobs,
+                                                                 plain_output.outputs[0].token_ids)],
+                                   atol=1e-5, rtol=0)
+
+
+def test_kv_transfer_is_refused_with_sliding_groups_and_turns_them_off(checkpoint):
+    """Prefill / decode workers move whole blocks of every layer: the roles
+    and the offload tier run without groups; a KV export asked of an engine
+    with groups is a clear error for that request alone."""
+    from foveal.engine_args import EngineArgs
+    from foveal.errors import InvalidRequestError
+
+    for options in ({"role": "prefill"}, {"role": "decode"}, {"kv_offload": "cpu"}):
+        config = EngineArgs.from_kwargs(checkpoint, **options).create_engine_config()
+        assert config.cache.disable_hybrid_kv_cache_manager
+    llm = _llm(checkpoint)
+    engine = llm.llm_engine
+    request = engine.input_processor.process(
+        engine.new_request_id(), {"prompt": "hello there"}, PARAMS).request
+    request.export_kv = True
+    with pytest.raises(InvalidRequestError, match="disable-hybrid-kv-cache-manager"):
+        engine.core.scheduler.check_request(request)
+    output = llm.chat([CONVERSATIONS[0]], PARAMS, use_tqdm=False)[0]  # the engine serves on
+    assert len(output.outputs[0].token_ids) == MAX_TOKENS

@@ -12,12 +12,17 @@ from foveal.layers.attention import Attention, get_attention_backend, register_a
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 
 
-def dense_causal(q, k, v) -> torch.Tensor:
-    """q (L, H, D), k/v (L, Hkv, D) full sequence -> (L, H, D)."""
+def dense_causal(q, k, v, window: int | None = None) -> torch.Tensor:
+    """q (L, H, D), k/v (L, Hkv, D) full sequence -> (L, H, D); window: each query
+    sees itself and the window - 1 keys before it."""
     group = NUM_HEADS // NUM_KV_HEADS
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    pos = torch.arange(q.shape[0])
+    mask = pos[None, :] <= pos[:, None]
+    if window:
+        mask &= pos[None, :] > pos[:, None] - window
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, scale=HEAD_DIM ** -0.5)
+                                         attn_mask=mask, scale=HEAD_DIM ** -0.5)
     return out.transpose(0, 1)
 
 
@@ -37,14 +42,17 @@ def batch_metadata(requests: list[tuple[int, int]], tables: list[list[int]],
         query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
 
 
-def run_mixed_batch(requests: list[tuple[int, int]], seed: int):
+def run_mixed_batch(requests: list[tuple[int, int]], seed: int, window: int | None = None):
     """requests: (already computed, new) per request. The cached prefix is
-    written by an earlier step; this step runs every request's new tokens."""
+    written by an earlier step; this step runs every request's new tokens.
+    window: a sliding-window layer; the cached keys before its window hold NaN
+    (blocks given back and reused), which it must never read."""
     generator = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
     free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    layer = Attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_idx=0)
+    layer = Attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_idx=0,
+                      sliding_window=window)
     full, tables, q_new, k_new, v_new, slots = [], [], [], [], [], []
     for computed, new in requests:
         length = computed + new
@@ -54,7 +62,10 @@ def run_mixed_batch(requests: list[tuple[int, int]], seed: int):
         flat = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)])
         kv_cache[0].view(-1, NUM_KV_HEADS, HEAD_DIM)[flat[:computed]] = k[:computed]
         kv_cache[1].view(-1, NUM_KV_HEADS, HEAD_DIM)[flat[:computed]] = v[:computed]
-        full.append(dense_causal(q, k, v)[computed:])
+        if window and computed:
+            unread = flat[:max(0, computed - window + 1)]
+            kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)[:, unread] = float("nan")
+        full.append(dense_causal(q, k, v, window)[computed:])
         tables.append(table)
         q_new.append(q[computed:]), k_new.append(k[computed:]), v_new.append(v[computed:])
         slots.append(flat[computed:])
@@ -68,6 +79,13 @@ def run_mixed_batch(requests: list[tuple[int, int]], seed: int):
 def test_paged_attention_equals_dense_for_mixed_batch(seed):
     requests = [(0, 9), (13, 1), (5, 6), (0, 1), (22, 1), (7, 3), (30, 1)]
     out, expected, *_ = run_mixed_batch(requests, seed)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_sliding_window_layer_reads_only_its_window(seed):
+    requests = [(0, 9), (13, 1), (5, 6), (22, 1), (17, 5), (30, 1), (3, 1)]
+    out, expected, *_ = run_mixed_batch(requests, seed, window=6)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -35,7 +35,7 @@ def test_prefix_hit_leaves_last_token_to_compute():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     admit(kv, make_request("a", list(range(8))))
     blocks, num_hit = kv.get_computed_blocks(make_request("b", list(range(8))))
-    assert num_hit == 4 and blocks == kv.block_ids("a")[:1]
+    assert num_hit == 4 and blocks == [kv.block_ids("a")[:1]]
 
 
 def test_blocks_filled_by_generated_tokens_become_hittable():
@@ -63,7 +63,7 @@ def test_image_at_different_offset_in_block_does_not_hit():
 def test_prefix_caching_off_never_hits():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     admit(kv, make_request("a", list(range(9))))
-    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([[]], 0)
 
 
 def test_freed_blocks_evicted_least_recently_freed_first():

@@ -143,7 +143,7 @@ def _prompt_with_image(offset=3, length=4, total=10, seed=1):
 def _new(request_id, tokens, blocks, features=(), computed=0, **params):
     return NewRequestData(request_id, list(tokens), list(features),
                           SamplingParams(temperature=params.pop("temperature", 0.0), **params),
-                          list(blocks), computed)
+                          [list(blocks)], computed)
 
 
 def test_chunked_prefill_then_decode_builds_inputs_positions_and_metadata():
@@ -173,7 +173,7 @@ def test_chunked_prefill_then_decode_builds_inputs_positions_and_metadata():
     assert torch.equal(call["inputs_embeds"][:3], model.embed(torch.tensor(tokens_a[:3])))
 
     out = runner.execute(StepPlan(new_requests=[_new("b", tokens_b, [9])],
-                                  cached_requests=[CachedRequestData("a", [], 5)],
+                                  cached_requests=[CachedRequestData("a", [[]], 5)],
                                   num_scheduled_tokens={"a": 5, "b": 3}))
     call = model.forward_calls[-1]
     md = call["metadata"]
@@ -190,8 +190,8 @@ def test_chunked_prefill_then_decode_builds_inputs_positions_and_metadata():
     expected_b = reference_greedy(model, tokens_b, [], 2)
     assert out.sampled_token_ids == {"a": [expected_a[0]], "b": [expected_b[0]]}
 
-    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [], 10),
-                                                   CachedRequestData("b", [], 3)],
+    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [[]], 10),
+                                                   CachedRequestData("b", [[]], 3)],
                                   num_scheduled_tokens={"a": 1, "b": 1}))
     call = model.forward_calls[-1]
     md = call["metadata"]
@@ -201,7 +201,7 @@ def test_chunked_prefill_then_decode_builds_inputs_positions_and_metadata():
     assert md.seq_lens.tolist() == [11, 4] and md.max_query_len == 1
     assert out.sampled_token_ids == {"a": [expected_a[1]], "b": [expected_b[1]]}
 
-    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [11], 11)],
+    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [[11]], 11)],
                                   num_scheduled_tokens={"a": 1},
                                   finished_request_ids={"b"}))
     md = model.forward_calls[-1]["metadata"]
@@ -218,7 +218,7 @@ def test_resumed_request_recomputes_into_fresh_blocks_and_continues():
     expected = reference_greedy(runner.model, tokens, [image], 4)
     runner.execute(StepPlan(new_requests=[_new("a", tokens, [1, 2], [image])],
                             num_scheduled_tokens={"a": 8}, scheduled_encoder_inputs={"a": [0]}))
-    runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [3], 8)],
+    runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [[3]], 8)],
                             num_scheduled_tokens={"a": 1}))
     known = tokens + expected[:2]
     # Preempted: its blocks were freed; it comes back with every known token.
@@ -227,7 +227,7 @@ def test_resumed_request_recomputes_into_fresh_blocks_and_continues():
     md = runner.model.forward_calls[-1]["metadata"]
     assert md.slot_mapping.tolist() == [24, 25, 26, 27, 16, 17, 18]
     assert out.sampled_token_ids == {}
-    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [], 7)],
+    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [[]], 7)],
                                   num_scheduled_tokens={"a": 3}))
     call = runner.model.forward_calls[-1]
     positions, delta = fake_mrope_positions(None, tokens, [image])
@@ -255,9 +255,9 @@ def test_item_split_across_chunks_is_encoded_once():
     tokens = _prompt_with_image(offset=1, length=6, total=9)
     runner.execute(StepPlan(new_requests=[_new("a", tokens, [0, 1, 2], [image])],
                             num_scheduled_tokens={"a": 3}, scheduled_encoder_inputs={"a": [0]}))
-    runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [], 3)],
+    runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [[]], 3)],
                             num_scheduled_tokens={"a": 3}))
-    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [], 6)],
+    out = runner.execute(StepPlan(cached_requests=[CachedRequestData("a", [[]], 6)],
                                   num_scheduled_tokens={"a": 3}))
     embeds = [c["inputs_embeds"] for c in runner.model.forward_calls]
     rows = encoder_rows(image)
@@ -331,10 +331,10 @@ def test_seeded_request_samples_the_same_tokens_with_or_without_companions():
         tokens = [runner.execute(StepPlan(new_requests=new,
                                           num_scheduled_tokens=scheduled)).sampled_token_ids["s"][0]]
         for step in range(5):
-            cached = [CachedRequestData("s", [], 3 + step)]
+            cached = [CachedRequestData("s", [[]], 3 + step)]
             scheduled = {"s": 1}
             if with_companion:
-                cached.append(CachedRequestData("c", [], 2 + step))
+                cached.append(CachedRequestData("c", [[]], 2 + step))
                 scheduled = {"c": 1, "s": 1}
             out = runner.execute(StepPlan(cached_requests=cached, num_scheduled_tokens=scheduled))
             tokens.extend(out.sampled_token_ids["s"])
@@ -367,7 +367,7 @@ def test_seeded_request_keeps_its_generator_across_preemption():
                                                    seed=7)],
                                 num_scheduled_tokens={"s": len(known)})
             else:
-                plan = StepPlan(cached_requests=[CachedRequestData("s", [], len(known) - 1)],
+                plan = StepPlan(cached_requests=[CachedRequestData("s", [[]], len(known) - 1)],
                                 num_scheduled_tokens={"s": 1})
             runner.execute(plan)
         return runner.requests["s"].token_ids

@@ -69,7 +69,7 @@ def test_a_trimmed_block_reallocated_in_the_next_step_reaches_the_workers():
     scheduler.add_request(other)  # runs ahead of "a" in every step
     scheduler.add_request(request)
     plan = scheduler.schedule()
-    tables = {new.request_id: list(new.block_ids) for new in plan.new_requests}
+    tables = {new.request_id: list(new.block_ids[0]) for new in plan.new_requests}
     scheduler.update_from_output(plan, ModelRunnerOutput(sampled_token_ids={"b": [33], "a": [13]}))
     for drafts, runs in (([14, 15, 16, 17], {"b": [34], "a": [20]}),  # all rejected: trim
                          ([21, 22, 23, 24], {"b": [35], "a": [21, 22, 23, 24, 25]})):
@@ -79,7 +79,7 @@ def test_a_trimmed_block_reallocated_in_the_next_step_reaches_the_workers():
             table = tables[data.request_id]
             if data.num_trimmed_blocks:
                 del table[-data.num_trimmed_blocks:]
-            table += data.new_block_ids
+            table += data.new_block_ids[0]
         for rid in ("a", "b"):
             assert tables[rid] == scheduler.kv.block_ids(rid)
         assert not set(tables["a"]) & set(tables["b"])

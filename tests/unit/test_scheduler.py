@@ -48,11 +48,11 @@ class FakeExecutor:
         for new in plan.new_requests:
             self.tokens[new.request_id] = list(new.token_ids)
             self.computed[new.request_id] = new.num_computed_tokens
-            self.blocks[new.request_id] = list(new.block_ids)
+            self.blocks[new.request_id] = list(new.block_ids[0])
             self.features[new.request_id] = new.mm_features
         for cached in plan.cached_requests:
             assert self.computed[cached.request_id] == cached.num_computed_tokens
-            self.blocks[cached.request_id] += cached.new_block_ids
+            self.blocks[cached.request_id] += cached.new_block_ids[0]
         output = ModelRunnerOutput()
         for rid, indices in plan.scheduled_encoder_inputs.items():
             for index in indices:

@@ -9,6 +9,10 @@ Layout of one decoder layer (one rank):
     scales (2, num_blocks, block_size, num_kv_heads) float16, quantized dtypes only
 Slot s of the pool is block s // block_size, offset s % block_size.
 stored_head_dim is head_dim, or head_dim / 2 for packed int4 (kv_quant.py).
+
+With KV cache groups (foveal/engine/kv_groups.py) the pool holds one such tensor
+per slot of a page, not per layer: decoder layer l uses tensor slot_of(l), at the
+block ids of its own group's table.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foveal.engine.kv_groups import KVCacheGroups
 from foveal.errors import ConfigError
 from foveal.layers.attention.kv_quant import SCALE_DTYPE, KVCodec, get_kv_codec
 
@@ -39,6 +44,17 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.float32
     quantization: str | None = None
     scale_dtype: torch.dtype = SCALE_DTYPE
+    # How layers share pages; None: one group (a block holds every layer).
+    groups: KVCacheGroups | None = None
+
+    @property
+    def layer_groups(self) -> KVCacheGroups:
+        return self.groups or KVCacheGroups.single(self.num_layers)
+
+    @property
+    def num_tensors(self) -> int:
+        """Cache tensors of the pool: one per layer a block (page) holds."""
+        return self.layer_groups.num_slots
 
     @property
     def codec(self) -> KVCodec | None:
@@ -75,16 +91,20 @@ class KVCacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block takes across all layers: keys, values and their scales."""
+        """Bytes one block (page) takes across the layers it holds: keys, values and
+        their scales."""
         per_layer = 2 * _numel(self.block_shape) * self.storage_dtype.itemsize
         if self.has_scales:
             per_layer += 2 * _numel(self.scale_shape) * self.scale_dtype.itemsize
-        return per_layer * self.num_layers
+        return per_layer * self.num_tensors
 
-    def num_blocks_for(self, memory_bytes: int, max_model_len: int) -> int:
-        """Blocks that fit in memory_bytes; one max_model_len request must fit."""
+    def num_blocks_for(self, memory_bytes: int, max_model_len: int,
+                       step_tokens: int | None = None) -> int:
+        """Blocks that fit in memory_bytes; one max_model_len request, computed in
+        steps of up to step_tokens (default: all at once), must fit."""
         num_blocks = memory_bytes // self.block_bytes
-        needed = -(-max_model_len // self.block_size)
+        needed = self.layer_groups.pages_needed(max_model_len, step_tokens or max_model_len,
+                                                self.block_size) + self.layer_groups.is_hybrid
         if num_blocks < needed:
             raise ConfigError(
                 f"the KV cache gets {memory_bytes / _MIB:.1f} MiB = {num_blocks} blocks of "
@@ -95,27 +115,37 @@ class KVCacheSpec:
         return int(num_blocks)
 
     def allocate(self, num_blocks: int, device: str | torch.device) -> "KVCaches":
-        """Zeroed caches (and scales) for every layer.
+        """Zeroed caches (and scales) for every tensor of the pool.
 
         Zeroed, not empty: kernels that read a whole block and mask the unused
         slots would turn garbage NaNs into NaN outputs (0 * NaN = NaN).
         """
         layers = [torch.zeros(self.layer_shape(num_blocks), dtype=self.storage_dtype,
-                              device=device) for _ in range(self.num_layers)]
+                              device=device) for _ in range(self.num_tensors)]
         scales = None
         if self.has_scales:
             scales = [torch.zeros(self.scale_layer_shape(num_blocks), dtype=self.scale_dtype,
-                                  device=device) for _ in range(self.num_layers)]
+                                  device=device) for _ in range(self.num_tensors)]
         return KVCaches(self, layers, scales)
 
 
 @dataclass
 class KVCaches:
-    """One rank's KV pool: per-layer caches and, for quantized dtypes, scales."""
+    """One rank's KV pool: caches and, for quantized dtypes, scales; one tensor
+    per layer, or with KV cache groups one per slot of a page."""
 
     spec: KVCacheSpec
-    layers: list[torch.Tensor]  # per layer spec.layer_shape(num_blocks)
-    scales: list[torch.Tensor] | None = None  # per layer spec.scale_layer_shape(num_blocks)
+    layers: list[torch.Tensor]  # per tensor spec.layer_shape(num_blocks)
+    scales: list[torch.Tensor] | None = None  # per tensor spec.scale_layer_shape(num_blocks)
+
+    def per_layer(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(caches, scales) indexed by decoder layer, as the forward context takes them."""
+        groups = self.spec.layer_groups
+        if not groups.is_hybrid:
+            return self.layers, self.scales
+        slots = [groups.slot_of(layer) for layer in range(groups.num_layers)]
+        return ([self.layers[s] for s in slots],
+                [self.scales[s] for s in slots] if self.scales else None)
 
     @property
     def num_blocks(self) -> int:

@@ -19,7 +19,8 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  layer_idx: int, sliding_window: int | None = None):
         """sliding_window: a query sees only the last `sliding_window` positions (itself
-        included); older KV blocks stay allocated, they are just not read."""
+        included); older KV blocks are not read (with KV cache groups the scheduler
+        frees them; foveal/engine/kv_groups.py)."""
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale, self.layer_idx = head_dim, scale, layer_idx
@@ -41,7 +42,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D)."""
         context = get_forward_context()
-        metadata = context.attn_metadata
+        metadata = context.metadata_for(self.layer_idx)
         kv_cache = kv_scales = None
         if metadata is not None:
             kv_cache = context.kv_caches[self.layer_idx]

@@ -9,7 +9,9 @@ the G query heads that share a KV head ride as G query rows of that head.
 Sliding-window layers and bidirectional spans (AttentionMetadata) give each
 query an interval of visible key positions [first, last] (`key_bounds`):
 causal, its last widened to the end of the span it sits in, its first
-narrowed to the window. Such layers take the masked paths below.
+narrowed to the window. Such layers take the masked paths below; a sliding
+layer gathers only the keys of its window, so its cost stays that of the
+window however long the context grows.
 """
 from __future__ import annotations
 
@@ -225,16 +227,20 @@ class SdpaBackend:
             is_causal=True, scale=self.scale, enable_gqa=self.group > 1)  # (H, n, D)
         return out.transpose(0, 1)
 
-    def _decode_mask(self, metadata: AttentionMetadata, layout: StepLayout) -> torch.Tensor:
-        """(Bd, 1, 1, Lmax) keys a decode row sees: its context, its last window on
-        sliding-window layers (a one-token step is never inside a span but its last token)."""
+    def _decode_keys(self, metadata: AttentionMetadata, layout: StepLayout
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots (Bd, L), mask (Bd, 1, 1, L)) of the keys decode rows see: the whole
+        context, or on sliding-window layers the last window only, L = min(window,
+        Lmax) (a one-token step is never inside a span but its last token)."""
         if not self.sliding_window:
-            return layout.decode_mask
+            return layout.decode_slots, layout.decode_mask
         key = ("sdpa_decode_window", self.sliding_window)
         if key not in metadata.backend_cache:
-            first = (layout.decode_lens - self.sliding_window).view(-1, 1, 1, 1)  # (Bd, 1, 1, 1)
-            key_pos = torch.arange(layout.decode_mask.shape[-1], device=first.device)
-            metadata.backend_cache[key] = layout.decode_mask & (key_pos >= first)
+            width = min(self.sliding_window, layout.decode_slots.shape[1])
+            offsets = torch.arange(width, device=layout.decode_lens.device)
+            positions = layout.decode_lens.unsqueeze(-1) - width + offsets  # (Bd, L)
+            slots = layout.decode_slots.gather(1, positions.clamp(min=0))
+            metadata.backend_cache[key] = (slots, (positions >= 0)[:, None, None, :])
         return metadata.backend_cache[key]
 
     def _bounded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: _Prefill,
@@ -242,18 +248,21 @@ class SdpaBackend:
         """A prefill chunk whose queries see [first, last] key intervals (key_bounds):
         q (n, H, D), k/v (n, Hkv, D) of the chunk -> (n, H, D)."""
         num_new, seq_len = q.shape[0], prefill.seq_len
+        low = 0  # the first key position any query sees (spans only widen the last)
         if prefill.slots is None:  # all context is this chunk
             keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, n, D)
         else:
+            if self.sliding_window:
+                low = max(0, seq_len - num_new - self.sliding_window + 1)
             slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
-            keys = slots[0].index_select(0, prefill.slots).transpose(0, 1)  # (Hkv, L, D)
-            values = slots[1].index_select(0, prefill.slots).transpose(0, 1)
+            keys = slots[0].index_select(0, prefill.slots[low:]).transpose(0, 1)  # (Hkv, L, D)
+            values = slots[1].index_select(0, prefill.slots[low:]).transpose(0, 1)
         key = ("sdpa_bounds", self.sliding_window, prefill.request)
         cache = metadata.backend_cache if metadata is not None else {}
         if key not in cache:
             first, last = key_bounds(_spans(metadata, prefill.request), prefill,
                                      self.sliding_window, q.device)
-            key_pos = torch.arange(seq_len, device=q.device)
+            key_pos = torch.arange(low, seq_len, device=q.device)
             mask = (key_pos >= first.unsqueeze(-1)) & (key_pos <= last.unsqueeze(-1))  # (n, L)
             cache[key] = mask.repeat_interleave(self.group, dim=0)  # (n*G, L), as _grouped
         out = _sdpa_3d(
@@ -264,9 +273,9 @@ class SdpaBackend:
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: StepLayout,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q (Bd, H, D), one query per request -> (Bd, H, D)."""
-        mask = self._decode_mask(metadata, layout)
-        batch, max_len = layout.decode_slots.shape
-        flat = layout.decode_slots.view(-1)
+        context_slots, mask = self._decode_keys(metadata, layout)
+        batch, max_len = context_slots.shape
+        flat = context_slots.reshape(-1)
         slots = slot_view(kv_cache)  # (2, num_slots, Hkv, D)
         # index_select copies whole slot rows: faster on CPU than advanced indexing
         keys = slots[0].index_select(0, flat).view(batch, max_len, self.num_kv_heads, -1)

@@ -123,7 +123,7 @@ class EagleProposer:
         """(R, blocks) each request's blocks, then scratch blocks up to last_index."""
         rows = []
         for r, (item, last) in enumerate(zip(items, last_index.tolist())):
-            blocks = list(item.state.block_ids)
+            blocks = list(item.state.block_ids[0])  # group 0: full attention
             extra = last // self.block_size + 1 - len(blocks)
             first = self.num_blocks + r * self.scratch_per_request
             rows.append(blocks + list(range(first, first + max(0, extra))))
