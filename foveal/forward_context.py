@@ -12,6 +12,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from foveal.engine.kv_groups import KVCacheGroups
+
 
 @dataclass
 class AttentionMetadata:
@@ -75,6 +77,15 @@ def block_table_array(rows: list[list[int]]) -> np.ndarray:
     for i, row in enumerate(rows):
         table[i, :len(row)] = row
     return table
+
+
+def layer_metadata(groups: KVCacheGroups, group_metadata: list[AttentionMetadata]
+                   ) -> list[AttentionMetadata] | None:
+    """Per decoder layer, the layout over its KV cache group's tables; None with
+    one group (attn_metadata then serves every layer)."""
+    if not groups.is_hybrid:
+        return None
+    return [group_metadata[groups.group_of(layer)] for layer in range(groups.num_layers)]
 
 
 @dataclass

@@ -102,16 +102,17 @@ def _peak_running(llm, prompts: list[dict], output_lens: list[int]) -> int:
 
 
 def _throughput(llm, prompts: list[dict], output_lens: list[int]) -> dict:
-    before = llm.get_metrics()["foveal:num_preemptions_total"]
-    hits_before = llm.get_metrics()["foveal:prefix_cache_hits_total"]
+    names = ("num_preemptions_total", "prefix_cache_hits_total", "computed_tokens_total")
+    before = {name: llm.get_metrics()[f"foveal:{name}"] for name in names}
     start = time.perf_counter()
     outputs = llm.generate(prompts, [_sampling(n) for n in output_lens], use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    metrics = llm.get_metrics()
+    delta = {name: llm.get_metrics()[f"foveal:{name}"] - before[name] for name in names}
     return {"output_tok_s": tokens / elapsed, "throughput_s": elapsed,
-            "preemptions": metrics["foveal:num_preemptions_total"] - before,
-            "prefix_cache_hit_tokens": metrics["foveal:prefix_cache_hits_total"] - hits_before}
+            "preemptions": delta["num_preemptions_total"],
+            "prefix_cache_hit_tokens": delta["prefix_cache_hits_total"],
+            "computed_tokens": delta["computed_tokens_total"]}
 
 
 def _long_context_decode(plan: KVBenchPlan, dtype: str, engine_kwargs: dict,

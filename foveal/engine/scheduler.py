@@ -316,6 +316,7 @@ class Scheduler:
                 encoder_inputs: list[int]) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_new
         budget.tokens_left -= num_new
+        self.stats.computed_tokens += num_new
         if request.export_kv and request.num_output_tokens == 0 \
                 and request.num_computed_tokens + num_new == request.num_tokens:
             plan.kv_exports[request.request_id] = request.num_tokens

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from foveal.config import EngineConfig
-from foveal.forward_context import AttentionMetadata, forward_context
+from foveal.forward_context import AttentionMetadata, forward_context, layer_metadata
 from foveal.layers.attention.kv_spec import KVCaches
 from foveal.logger import init_logger
 
@@ -66,8 +66,6 @@ def graphs_apply(config: EngineConfig, kv_caches: KVCaches, has_draft_head: bool
         return "tensor parallelism"
     if config.transfer.role == "encode":
         return "an encode worker has no decoder"
-    if kv_caches.spec.layer_groups.is_hybrid:
-        return "sliding-window layers have their own block tables (KV cache groups)"
     if not kv_caches.layers or not kernel_fits(kv_caches.layers[0]):
         return "the KV block shape does not fit the Triton kernels"
     return None
@@ -90,24 +88,31 @@ class DecodeGraphs:
         self.inputs_embeds = torch.zeros(top, hidden, dtype=dtype, device=device)
         self.positions = torch.zeros((num_axes, top) if num_axes > 1 else (top,),
                                      dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, device=device)
+        # per KV cache group (kv_groups.py): its slots and block tables
+        self.groups = spec.layer_groups
+        num_groups = self.groups.num_groups
+        self.slot_mapping = torch.full((num_groups, top), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(num_groups, top, self.max_blocks, dtype=torch.int32,
+                                        device=device)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
         query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.metadata = {size: AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+        self.metadata = {size: [AttentionMetadata(
+            slot_mapping=self.slot_mapping[group, :size],
+            query_start_loc=query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[group, :size],
             max_query_len=1, max_seq_len=config.scheduler.max_model_len,
             block_size=spec.block_size,
             decode_splits=num_splits(size, spec.num_kv_heads, self.max_blocks))
-            for size in self.sizes}
+            for group in range(num_groups)] for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _forward(self, size: int) -> torch.Tensor:
         positions = self.positions[..., :size]
-        with forward_context(self.metadata[size], self.kv_caches.layers, self.kv_caches.scales,
-                             static_shapes=True):
+        metadata = self.metadata[size]
+        caches, scales = self.kv_caches.per_layer()
+        with forward_context(metadata[0], caches, scales, static_shapes=True,
+                             layer_metadata=layer_metadata(self.groups, metadata)):
             return self.model(self.inputs_embeds[:size], positions)
 
     @torch.inference_mode()
@@ -133,10 +138,12 @@ class DecodeGraphs:
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def run(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-            metadata: AttentionMetadata) -> torch.Tensor | None:
+            group_metadata: list[AttentionMetadata]) -> torch.Tensor | None:
         """The decoder's hidden states (B, hidden) of a decode-only step, or None
-        when the step does not fit a bucket (then the caller runs it eagerly)."""
+        when the step does not fit a bucket (then the caller runs it eagerly).
+        group_metadata: the step's layout over each KV cache group's tables."""
         batch = inputs_embeds.shape[0]
+        metadata = group_metadata[0]
         width = metadata.block_tables.shape[1]
         if (metadata.max_query_len != 1 or batch > self.sizes[-1] or width > self.max_blocks
                 or inputs_embeds.shape[1] != self.inputs_embeds.shape[1]):
@@ -144,11 +151,12 @@ class DecodeGraphs:
         size = next(size for size in self.sizes if size >= batch)
         self.inputs_embeds[:batch].copy_(inputs_embeds)
         self.positions[..., :batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(metadata.slot_mapping)
-        self.slot_mapping[batch:size].fill_(-1)
+        for group, group_layout in enumerate(group_metadata):
+            self.slot_mapping[group, :batch].copy_(group_layout.slot_mapping)
+            self.slot_mapping[group, batch:size].fill_(-1)
+            self.block_tables[group, :batch, :width].copy_(group_layout.block_tables)
         self.seq_lens[:batch].copy_(metadata.seq_lens)
         self.seq_lens[batch:size].zero_()
-        self.block_tables[:batch, :width].copy_(metadata.block_tables)
         if not self.capture:
             return self._forward(size)[:batch]
         self.graphs[size].replay()

@@ -16,7 +16,8 @@ import torch
 
 from foveal.config import EngineConfig
 from foveal.engine.plan import ModelRunnerOutput, NewRequestData, StepPlan, kv_payload_key
-from foveal.forward_context import AttentionMetadata, block_table_array, forward_context
+from foveal.forward_context import (AttentionMetadata, block_table_array, forward_context,
+                                    layer_metadata)
 from foveal.layers.attention.kv_spec import KVCaches
 from foveal.logger import init_logger
 from foveal.multimodal.inputs import ENCODED_KEY, MMFeature
@@ -64,8 +65,8 @@ class Batch:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (num_axes, T) int64, or (T,) for one axis
     attn_metadata: AttentionMetadata  # over group 0's block tables
-    # With KV cache groups: per decoder layer, the layout over its group's tables.
-    layer_metadata: list[AttentionMetadata] | None
+    # per KV cache group, the layout over its tables ([0] is attn_metadata)
+    group_metadata: list[AttentionMetadata]
     logits_indices: torch.Tensor  # (N,) int64: rows to sample: each sampled request's
     # last known token and its drafts
     sampled: list[ScheduledRequest]
@@ -149,12 +150,13 @@ class ModelRunner:
         aux_layers = self.drafter.aux_layers if self.drafter is not None else ()
         if self.decode_graphs is not None and not aux_layers:
             hidden_states = self.decode_graphs.run(inputs_embeds, batch.positions,
-                                                   batch.attn_metadata)
+                                                   batch.group_metadata)
             if hidden_states is not None:
                 return hidden_states, hidden_states
         caches, scales = self.kv_caches.per_layer()
         with forward_context(batch.attn_metadata, caches, scales,
-                             layer_metadata=batch.layer_metadata):
+                             layer_metadata=layer_metadata(self.kv_caches.spec.layer_groups,
+                                                           batch.group_metadata)):
             if aux_layers:
                 return self.model(inputs_embeds, batch.positions, aux_layers)
             hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)
@@ -278,7 +280,6 @@ class ModelRunner:
                                                      block_tables, self.block_size, self.device)
             metadata.bidirectional_spans = spans if any(spans) else None
             group_metadata.append(metadata)
-        groups = self.kv_caches.spec.layer_groups
         input_ids = list(chain.from_iterable(
             _new_token_ids(item, a, b)
             for item, a, b in zip(scheduled, starts.tolist(), seq_lens.tolist())))
@@ -291,8 +292,7 @@ class ModelRunner:
             input_ids=self._to_device(np.array(input_ids, dtype=np.int64)),
             positions=self._to_device(self._positions(states, starts, num_new, token_index)),
             attn_metadata=group_metadata[0],
-            layer_metadata=[group_metadata[groups.group_of(layer)]
-                            for layer in range(groups.num_layers)] if groups.is_hybrid else None,
+            group_metadata=group_metadata,
             logits_indices=self._to_device(np.concatenate(logits_indices or [np.zeros(0, int)])
                                            .astype(np.int64)),
             sampled=[item for item, m in zip(scheduled, sampled_mask.tolist()) if m])

@@ -57,7 +57,7 @@ def test_stats_have_the_exported_names():
         "foveal:encoder_cache_queries_total", "foveal:encoder_cache_hits_total",
         "foveal:encoder_cache_entries", "foveal:encoder_cache_held_entries",
         "foveal:kv_offload_hits_total", "foveal:kv_offload_saves_total", "foveal:kv_offload_bytes",
-        "foveal:num_preemptions_total", "foveal:kv_cache_usage_perc",
+        "foveal:num_preemptions_total", "foveal:computed_tokens_total", "foveal:kv_cache_usage_perc",
         "foveal:kv_cache_capacity_tokens", 'foveal:kv_cache_info{kv_cache_dtype="auto"}',
         "foveal:spec_decode_num_drafts_total", "foveal:spec_decode_num_draft_tokens_total",
         "foveal:spec_decode_num_accepted_tokens_total", "foveal:spec_decode_acceptance_rate",

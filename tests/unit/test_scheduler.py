@@ -199,15 +199,18 @@ def test_shared_image_across_requests_is_encoded_once():
 
 def test_preempted_request_completes_with_same_tokens():
     prompts = {f"r{i}": list(range(10 * i + 1, 10 * i + 11)) for i in range(4)}
-    outputs = []
+    outputs, computed = [], []
     for num_blocks in (64, 10):
         scheduler, executor = make_scheduler(num_blocks=num_blocks), FakeExecutor(4)
         for rid, prompt in prompts.items():
             scheduler.add_request(make_request(rid, prompt, max_tokens=12))
         outputs.append(run_to_completion(scheduler, executor))
         assert_all_returned(scheduler)
+        computed.append(scheduler.get_stats()["foveal:computed_tokens_total"])
     assert scheduler.get_stats()["foveal:num_preemptions_total"] > 0
     assert outputs[0] == outputs[1]
+    # every prompt token and every output but the last ran; recomputes come on top
+    assert computed[0] == 4 * (10 + 11) and computed[1] > computed[0]
 
 
 def test_prefix_cache_hit_on_repeated_prompt():

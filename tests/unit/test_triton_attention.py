@@ -238,3 +238,30 @@ def test_graphs_stay_off_where_a_step_is_not_static(checkpoint, monkeypatch):
     llm = _engine(checkpoint, enforce_eager=True)
     runner = llm.llm_engine.core.executor.model_runner
     assert graphs_apply(runner.config, runner.kv_caches, False) == "--enforce-eager"
+
+
+def test_sliding_window_groups_decode_through_the_static_buffers(tiny_checkpoints, monkeypatch):
+    """Gemma 3 with KV cache groups (window 16, blocks behind it given back): each
+    group's slots and block tables in the static buffers, prompts well past the
+    window; answers equal the SDPA engine's."""
+    gemma = tiny_checkpoints("tiny-gemma3")
+    chats = [[user("describe it " * (12 + 6 * i), image(40 * i, (64, 64)))] for i in range(3)] + \
+        [[user("text only, a longer question about nothing in particular " * 3)]]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2)
+              for i in range(4)]
+    options = dict(max_num_batched_tokens=48)  # 16-token blocks: one window
+    expected = _engine(gemma, **options).chat(chats, params, use_tqdm=False)
+    monkeypatch.setenv("FOVEAL_ATTENTION_BACKEND", "triton")
+    llm = _engine(gemma, **options)
+    runner = llm.llm_engine.core.executor.model_runner
+    assert runner.kv_caches.spec.layer_groups.is_hybrid
+    assert graphs_apply(runner.config, runner.kv_caches, False) is None
+    runner.decode_graphs = graphs = DecodeGraphs(runner.config, runner.model, runner.kv_caches,
+                                                 runner.position_rule.num_axes, capture=False)
+    calls = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda *a: calls.append(r := run(*a)) or r)
+    outputs = llm.chat(chats, params, use_tqdm=False)
+    assert min(len(o.prompt_token_ids) for o in outputs[:3]) > 48  # blocks left the window
+    assert same(outputs, expected)
+    assert sum(r is not None for r in calls) >= 6
