@@ -12,6 +12,7 @@ from foveal.engine.kv_groups import KVCacheGroups
 from foveal.engine.kv_manager import KVCacheManager
 from foveal.engine.request import Request
 from foveal.sampling_params import SamplingParams
+from tests.unit.test_kv_manager import apply_random_op, operations
 
 BLOCK = 4
 WINDOW = 8  # a query sees itself and the 7 tokens before it
@@ -123,10 +124,6 @@ def test_offload_tier_needs_one_group():
         KVCacheManager(8, BLOCK, offload=object(), groups=GROUPS)
 
 
-operations = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free"]),
-                                st.integers(0, 5), st.integers(1, 12)), max_size=40)
-
-
 @settings(max_examples=150, deadline=None)
 @given(ops=operations, prefix=st.booleans())
 def test_random_steps_keep_pool_invariants_across_groups(ops, prefix):
@@ -134,23 +131,7 @@ def test_random_steps_keep_pool_invariants_across_groups(ops, prefix):
                         groups=GROUPS)
     live: dict[str, Request] = {}
     for op, slot, size in ops:
-        rid = f"r{slot}"
-        if op == "alloc" and rid not in live:
-            request = make_request(rid, [slot % 3] * size)
-            blocks, hit = kv.get_computed_blocks(request)
-            if kv.allocate_slots(request, request.num_tokens - hit, blocks) is not None:
-                request.num_computed_tokens = request.num_tokens
-                kv.cache_full_blocks(request)
-                live[rid] = request
-        elif op == "grow" and rid in live:
-            request = live[rid]
-            if kv.allocate_slots(request, size) is not None:
-                for _ in range(size):
-                    request.append_output_token(size)
-                request.num_computed_tokens = request.num_tokens
-                kv.cache_full_blocks(request)
-        elif op == "free" and rid in live:
-            kv.free(live.pop(rid))
+        apply_random_op(kv, live, op, slot, size)
         tables = {r: kv.group_block_ids(r) for r in live}
         owners = Counter(b for groups in tables.values() for table in groups for b in table
                          if b != kv.null_block)

@@ -101,29 +101,36 @@ operations = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free"]),
                                 st.integers(0, 5), st.integers(1, 12)), max_size=40)
 
 
+def apply_random_op(kv: KVCacheManager, live: dict[str, Request], op: str, slot: int,
+                    size: int) -> None:
+    """One step of a random workload: admit request r{slot} with a prefix lookup,
+    grow it by `size` computed tokens, or free it; live holds the admitted ones."""
+    rid = f"r{slot}"
+    if op == "alloc" and rid not in live:
+        request = make_request(rid, [slot % 3] * size)
+        blocks, hit = kv.get_computed_blocks(request)
+        if kv.allocate_slots(request, request.num_tokens - hit, blocks) is not None:
+            request.num_computed_tokens = request.num_tokens
+            kv.cache_full_blocks(request)
+            live[rid] = request
+    elif op == "grow" and rid in live:
+        request = live[rid]
+        if kv.allocate_slots(request, size) is not None:
+            for _ in range(size):
+                request.append_output_token(size)
+            request.num_computed_tokens = request.num_tokens
+            kv.cache_full_blocks(request)
+    elif op == "free" and rid in live:
+        kv.free(live.pop(rid))
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops=operations, prefix=st.booleans())
 def test_random_allocate_free_keeps_pool_invariants(ops, prefix):
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=prefix)
     live: dict[str, Request] = {}
     for op, slot, size in ops:
-        rid = f"r{slot}"
-        if op == "alloc" and rid not in live:
-            request = make_request(rid, [slot % 3] * size)
-            blocks, hit = kv.get_computed_blocks(request)
-            if kv.allocate_slots(request, request.num_tokens - hit, blocks) is not None:
-                request.num_computed_tokens = request.num_tokens
-                kv.cache_full_blocks(request)
-                live[rid] = request
-        elif op == "grow" and rid in live:
-            request = live[rid]
-            if kv.allocate_slots(request, size) is not None:
-                for _ in range(size):
-                    request.append_output_token(size)
-                request.num_computed_tokens = request.num_tokens
-                kv.cache_full_blocks(request)
-        elif op == "free" and rid in live:
-            kv.free(live.pop(rid))
+        apply_random_op(kv, live, op, slot, size)
         owners = Counter(b for r in live for b in kv.block_ids(r))
         assert all(len(set(kv.block_ids(r))) == len(kv.block_ids(r)) for r in live)
         assert all(kv.ref_count(b) == owners[b] for b in range(kv.num_blocks))
