@@ -1,7 +1,10 @@
+import dataclasses
+
 import pytest
 import torch
 
 from foveal.config import CacheConfig, ModelConfig, TextConfig, VisionConfig
+from foveal.engine.kv_groups import KVCacheGroups
 from foveal.errors import ConfigError
 from foveal.worker.device import resolve_device, resolve_dtype, torch_dtype
 from foveal.layers.attention.kv_spec import KVCacheSpec
@@ -164,3 +167,35 @@ def test_quantized_pools_hold_the_promised_token_multiples_scales_included(head_
                                     ("int4", 3.6, 7.0)):
         assert tokens(name) >= vs_16bit * tokens("bfloat16"), name
         assert tokens(name) >= vs_fp32 * tokens("float32"), name
+
+
+def test_sliding_window_groups_size_pages_by_the_layers_a_page_holds():
+    """gemma-3-4b's pattern: 5 full layers, 29 sliding ones in 6 groups of 5; a page
+    holds 5 layers, decoder layer l uses tensor slot_of(l); one max_model_len request
+    needs its full blocks plus each sliding group's window and step, plus the null page."""
+    windows = [None if (i + 1) % 6 == 0 else 1024 for i in range(34)]
+    groups = KVCacheGroups.for_layers(windows)
+    spec = KVCacheSpec(num_layers=34, block_size=16, num_kv_heads=4, head_dim=256,
+                       dtype=torch.bfloat16, groups=groups)
+    per_layer = 2 * 16 * 4 * 256 * 2
+    assert spec.num_tensors == 5 and spec.block_bytes == 5 * per_layer
+    needed = 8192 // 16 + 6 * ((1023 + 2048) // 16 + 2) + 1
+    assert spec.num_blocks_for(needed * spec.block_bytes, 8192, 2048) == needed
+    with pytest.raises(ConfigError, match="needs"):
+        spec.num_blocks_for((needed - 1) * spec.block_bytes, 8192, 2048)
+    caches = spec.allocate(4, "cpu")
+    layers, scales = caches.per_layer()
+    assert len(caches.layers) == 5 and len(layers) == 34 and scales is None
+    assert layers[5] is caches.layers[0] and layers[11] is caches.layers[1]  # full layers
+    assert layers[0] is caches.layers[0] and layers[33] is caches.layers[3]  # sliding ones
+
+
+def test_gemma3_config_turns_into_groups_unless_disabled():
+    text = TextConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-6,
+                      rope_theta=1e4, mrope_section=(), max_position_embeddings=64,
+                      tie_word_embeddings=True, layer_windows=(16, 0, 16, 0))
+    config = dataclasses.replace(_model_config(), text=text)
+    assert kv_cache_spec(config, CacheConfig(), "float32").groups.layers == ((1, 3), (0, 2))
+    plain = CacheConfig(disable_hybrid_kv_cache_manager=True)
+    assert kv_cache_spec(config, plain, "float32").groups is None
