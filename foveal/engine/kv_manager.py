@@ -80,11 +80,6 @@ class KVCacheManager:
         return self.num_blocks - (self.null_block is not None)
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens the pool holds when full (of one group: a page per block)."""
-        return self.num_usable_blocks * self.block_size
-
-    @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 

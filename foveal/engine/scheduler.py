@@ -73,7 +73,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.stats = SchedulerStats(kv_cache_capacity_tokens=kv.num_tokens)
+        # the longest request the pool holds: its blocks in every group
+        self.stats = SchedulerStats(kv_cache_capacity_tokens=kv.longest_request(
+            scheduler_config.max_num_batched_tokens))
         self._finished_ids: set[str] = set()
         # Per request: how many leading blocks of its table the workers hold, and
         # how many trailing blocks they hold that were given back since (rejected

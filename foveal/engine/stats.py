@@ -30,7 +30,7 @@ class SchedulerStats:
     num_draft_tokens_rejected: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts kept at i
     kv_cache_dtype: str = "auto"  # as stored: float32 | bfloat16 | float16 | int8 | int4 | fp8_e4m3
-    kv_cache_capacity_tokens: int = 0
+    kv_cache_capacity_tokens: int = 0  # the longest request the KV pool holds
     finished: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(FINISH_REASONS.values(), 0))
 

@@ -59,13 +59,12 @@ def build_engine_core(engine_config: EngineConfig, encoder_connector: Any = None
     scheduler = build_scheduler(engine_config.scheduler, engine_config.cache,
                                 executor.num_blocks, executor.block_bytes, encoder_connector,
                                 spec.groups)
-    logger.info("KV cache: %s tokens (%s), %.2f GiB per rank", f"{scheduler.kv.num_tokens:,}",
-                spec.dtype_name, executor.num_blocks * spec.block_bytes / (1 << 30))
+    logger.info("KV cache: %s tokens (%s), %.2f GiB per rank",
+                f"{scheduler.stats.kv_cache_capacity_tokens:,}", spec.dtype_name,
+                executor.num_blocks * spec.block_bytes / (1 << 30))
     if spec.groups is not None:
         logger.info("sliding-window layers take their own blocks, freed once out of the "
-                    "window: %s; the longest request the pool holds: %s tokens",
-                    spec.groups.describe(),
-                    f"{scheduler.kv.longest_request(engine_config.scheduler.max_num_batched_tokens):,}")
+                    "window: %s", spec.groups.describe())
     return EngineCore(scheduler, executor)
 
 
