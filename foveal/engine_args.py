@@ -42,7 +42,7 @@ class EngineArgs:
     kv_offload_bytes: int = 1 << 30
     kv_offload_path: str | None = None
     # Sliding-window layers keep every block (no own blocks, no eviction); also
-    # implied by --kv-offload and the prefill / decode roles, which move whole blocks.
+    # implied by the prefill / decode roles, whose KV transfers move whole blocks.
     disable_hybrid_kv_cache_manager: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -118,7 +118,6 @@ class EngineArgs:
                               kv_offload_path=self.kv_offload_path,
                               disable_hybrid_kv_cache_manager=(
                                   self.disable_hybrid_kv_cache_manager
-                                  or self.kv_offload is not None
                                   or self.role in ("prefill", "decode"))),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,

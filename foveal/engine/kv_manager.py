@@ -17,7 +17,9 @@ layers) every request holds one table per group, all of one length. A sliding
 group's table entries before its window are given back before each step (the
 null block takes their place), and a prefix hit there needs only the blocks of
 the last window before the hit: each group's cached blocks are keyed by
-(group, hash), one LRU free list serves them all.
+(group, hash), one LRU free list serves them all. The offload tier keeps a
+group's blocks under the hash with the group appended (`tier_key`): a block
+holds that group's layers only.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
     """Prefix hash of one full block, chained to its parent block's hash."""
     payload = repr((tuple(token_ids), extra_keys)).encode()
     return hashlib.sha256((parent or b"") + payload).digest()
+
+
+def tier_key(group: int, block_hash: bytes) -> bytes:
+    """The offload tier's name for a group's block: group 0 keeps the bare hash."""
+    return block_hash if group == 0 else block_hash + bytes([group])
 
 
 def block_extra_keys(request: Request, start: int, end: int) -> tuple:
@@ -59,9 +66,6 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = groups or KVCacheGroups((None,), ((),))
         self.num_groups = self.groups.num_groups
-        if offload is not None and self.groups.is_hybrid:
-            raise ValueError("the KV offload tier keeps whole blocks of every layer; "
-                             "it does not take KV cache groups")
         self.offload = offload if enable_prefix_caching else None
         # The null block stands in a sliding group's table for blocks given back.
         self.null_block: int | None = 0 if self.groups.is_hybrid else None
@@ -119,30 +123,34 @@ class KVCacheManager:
                 high = middle - 1
         return low
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+    def get_computed_blocks(self, request: Request
+                            ) -> tuple[list[list[int | None]], int]:
         """Longest cached prefix of a request that holds no blocks yet.
 
         Capped so at least one token is left to compute: the last known token
-        must run through the model to give logits. Returns (per group, block
-        ids in the pool; tokens); the tokens include blocks the offload tier
-        holds next, which allocate_slots loads into fresh blocks. In a sliding
-        group the blocks before the window of the first token computed are the
-        null block: only the last window must be cached there.
+        must run through the model to give logits. Returns (per group, the hit's
+        blocks: a pool block id, or None for one the offload tier holds, which
+        allocate_slots loads into a fresh block; tokens). In a sliding group the
+        blocks before the window of the first token computed are the null
+        block: only the last window must be cached there.
         """
-        empty = [[] for _ in range(self.num_groups)]
         if not self.enable_prefix_caching or request.request_id in self._tables:
-            return empty, 0
+            return [[] for _ in range(self.num_groups)], 0
         self._update_block_hashes(request)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         num_hit = 0
-        while num_hit < len(hashes) and (0, hashes[num_hit]) in self._cached:
+        while num_hit < len(hashes) and self._holds(0, hashes[num_hit]):
             num_hit += 1
         num_hit = self._window_hits(hashes, num_hit)
-        hits = [[self._cached[(g, hashes[i])] if i >= first else self.null_block
+        hits = [[self._cached.get((g, hashes[i])) if i >= first else self.null_block
                  for i in range(num_hit)]
                 for g, first in enumerate(self._first_live_blocks(num_hit * self.block_size))]
-        num_offloaded = len(self._offloaded_prefix(request, num_hit))
-        return hits, (num_hit + num_offloaded) * self.block_size
+        return hits, num_hit * self.block_size
+
+    def _holds(self, group: int, block_hash: bytes) -> bool:
+        """Whether the pool, or else the offload tier, has this group's block."""
+        return (group, block_hash) in self._cached or (
+            self.offload is not None and self.offload.contains(tier_key(group, block_hash)))
 
     def _window_hits(self, hashes: list[bytes], num_hit: int) -> int:
         """The longest hit of at most num_hit blocks whose windows every sliding
@@ -152,7 +160,7 @@ class KVCacheManager:
             changed = False
             for group in range(1, self.num_groups):
                 while num_hit and not all(
-                        (group, hashes[i]) in self._cached for i in range(
+                        self._holds(group, hashes[i]) for i in range(
                             self.groups.first_live_block(group, num_hit * self.block_size,
                                                          self.block_size), num_hit)):
                     num_hit -= 1
@@ -169,8 +177,8 @@ class KVCacheManager:
         """Grow the request's tables to hold num_new_tokens more tokens.
 
         computed_blocks (from get_computed_blocks, called just before) is only
-        for a request with no blocks and num_computed_tokens == 0; the offload
-        tier's part of that hit is loaded into the first new blocks. A running
+        for a request with no blocks and num_computed_tokens == 0; its blocks the
+        offload tier holds (None) are loaded into fresh blocks. A running
         request's sliding groups first give back the blocks before the window of
         its next token. Returns the block ids appended to each group's table, or
         None — allocating nothing — if the pool is too small.
@@ -181,27 +189,29 @@ class KVCacheManager:
         else:
             tables = [[] for _ in range(self.num_groups)]
         computed = computed_blocks or [[] for _ in range(self.num_groups)]
-        offloaded = [] if computed_blocks is None else self._offloaded_prefix(
-            request, len(computed[0]))
-        num_hit_blocks = len(computed[0]) + len(offloaded)
+        num_hit_blocks = len(computed[0])
         num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
-        num_new_blocks = max(0, self.blocks_needed(num_tokens) - len(tables[0]) - len(computed[0]))
-        hit_ids = [b for group in computed for b in group if b != self.null_block]
+        num_new_blocks = max(0, self.blocks_needed(num_tokens) - len(tables[0]) - num_hit_blocks)
+        hit_ids = [b for group in computed for b in group if b is not None and b != self.null_block]
+        loads = [(g, i) for g, group in enumerate(computed) for i, b in enumerate(group) if b is None]
         num_free_hits = sum(1 for b in hit_ids if self._ref_counts[b] == 0)
-        if num_new_blocks * self.num_groups > len(self._free) - num_free_hits:
+        if num_new_blocks * self.num_groups + len(loads) > len(self._free) - num_free_hits:
             return None
         for block_id in hit_ids:
             self._take_cached(block_id)
-        if offloaded:
-            self.offload.pin(offloaded)
+        hashes = request.block_hashes
+        if loads:  # before any eviction below could drop them from the tier
+            self.offload.pin([tier_key(g, hashes[i]) for g, i in loads])
         appended = []
         for group, table in enumerate(tables):
-            new_blocks = computed[group] + [self._take_free() for _ in range(num_new_blocks)]
-            if group == 0:
-                for block_hash, block_id in zip(offloaded, new_blocks[len(computed[0]):]):
-                    self.offload.load(block_hash, block_id)
-                    self._block_keys[block_id] = (0, block_hash)
-                    self._cached[(0, block_hash)] = block_id
+            new_blocks = list(computed[group])
+            for index, block_id in enumerate(new_blocks):
+                if block_id is None:
+                    new_blocks[index] = block_id = self._take_free()
+                    self.offload.load(tier_key(group, hashes[index]), block_id)
+                    self._block_keys[block_id] = (group, hashes[index])
+                    self._cached[(group, hashes[index])] = block_id
+            new_blocks += [self._take_free() for _ in range(num_new_blocks)]
             table.extend(new_blocks)
             appended.append(new_blocks)
         self._tables[request.request_id] = tables
@@ -289,22 +299,10 @@ class KVCacheManager:
             if self._cached.get(key) == block_id:
                 del self._cached[key]
                 if self.offload is not None:
-                    self.offload.on_evict(key[1], block_id)
+                    self.offload.on_evict(tier_key(*key), block_id)
             self._block_keys[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id
-
-    def _offloaded_prefix(self, request: Request, start: int) -> list[bytes]:
-        """Hashes after the first `start` blocks that the tier (not the pool) holds."""
-        if self.offload is None:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes: list[bytes] = []
-        for block_hash in request.block_hashes[start:max_blocks]:
-            if (0, block_hash) in self._cached or not self.offload.contains(block_hash):
-                break
-            hashes.append(block_hash)
-        return hashes
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes

@@ -196,13 +196,13 @@ def test_sliding_groups_with_preemption_and_int8_kv(checkpoint, hf_model):
 
 
 def test_kv_transfer_is_refused_with_sliding_groups_and_turns_them_off(checkpoint):
-    """Prefill / decode workers move whole blocks of every layer: the roles
-    and the offload tier run without groups; a KV export asked of an engine
+    """Prefill / decode workers move whole blocks of every layer: those roles
+    run without groups; a KV export asked of an engine
     with groups is a clear error for that request alone."""
     from foveal.engine_args import EngineArgs
     from foveal.errors import InvalidRequestError
 
-    for options in ({"role": "prefill"}, {"role": "decode"}, {"kv_offload": "cpu"}):
+    for options in ({"role": "prefill"}, {"role": "decode"}):
         config = EngineArgs.from_kwargs(checkpoint, **options).create_engine_config()
         assert config.cache.disable_hybrid_kv_cache_manager
     llm = _llm(checkpoint)
@@ -214,3 +214,20 @@ def test_kv_transfer_is_refused_with_sliding_groups_and_turns_them_off(checkpoin
         engine.core.scheduler.check_request(request)
     output = llm.chat([CONVERSATIONS[0]], PARAMS, use_tqdm=False)[0]  # the engine serves on
     assert len(output.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_offload_tier_brings_back_each_groups_blocks(checkpoint, hf_model):
+    """A pool too small to keep a finished chat's blocks: the RAM tier keeps each
+    group's (the sliding groups' under their own keys), and the chat asked again
+    loads them back: a prefix hit past the window, the same answer."""
+    llm = _llm(checkpoint, kv_offload="cpu", kv_cache_memory_bytes=128 * 2048)  # 128 pages
+    assert llm.llm_engine.core.scheduler.kv.groups.is_hybrid
+    first = llm.chat([LONG], PARAMS, use_tqdm=False)[0]
+    for conversation in CONVERSATIONS:  # their blocks push LONG's out of the pool
+        llm.chat([conversation], PARAMS, use_tqdm=False)
+    again = llm.chat([LONG], PARAMS, use_tqdm=False)[0]
+    metrics = llm.get_metrics()
+    assert metrics["foveal:kv_offload_hits_total"] > 0
+    assert again.num_cached_tokens >= len(again.prompt_token_ids) - 4
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    _check(hf_model, LONG, again)

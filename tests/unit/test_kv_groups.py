@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from foveal.engine.kv_groups import KVCacheGroups
-from foveal.engine.kv_manager import KVCacheManager
+from foveal.engine.kv_manager import KVCacheManager, tier_key
+from foveal.engine.kv_offload import OffloadTier
 from foveal.engine.request import Request
 from foveal.sampling_params import SamplingParams
 from tests.unit.test_kv_manager import apply_random_op, operations
@@ -119,9 +119,28 @@ def test_trim_drops_the_same_trailing_blocks_in_every_group():
     assert kv.num_free_blocks == 31 - 4 - 3  # sliding block 0 left the window
 
 
-def test_offload_tier_needs_one_group():
-    with pytest.raises(ValueError, match="KV cache groups"):
-        KVCacheManager(8, BLOCK, offload=object(), groups=GROUPS)
+def test_offload_tier_keeps_each_groups_blocks_and_loads_only_the_window_back():
+    tier = OffloadTier(capacity_blocks=16, block_bytes=100)
+    kv = KVCacheManager(num_blocks=11, block_size=BLOCK, offload=tier, groups=GROUPS)
+    tokens = list(range(20))
+    first = make_request("a", tokens)
+    run_prompt(kv, first, step=20)  # 5 blocks in each group
+    kv.free(first)
+    run_prompt(kv, make_request("b", list(range(50, 70))), step=20)  # takes every page
+    kv.free(make_request("b", []))
+    saves = {bytes.fromhex(h) for h, _ in tier.take_transfers().saves}
+    assert saves >= {tier_key(g, h) for g in (0, 1) for h in first.block_hashes}
+    again = make_request("a2", tokens + [99])
+    blocks, hit = kv.get_computed_blocks(again)
+    # resumed at token 20: the window reads blocks 3 and 4; the full group needs all 5
+    assert hit == 20 and blocks == [[None] * 5, [kv.null_block] * 3 + [None] * 2]
+    assert kv.allocate_slots(again, 1, blocks) is not None
+    loads = tier.take_transfers().loads
+    assert sorted(bytes.fromhex(h) for h, _ in loads) == sorted(
+        [tier_key(0, h) for h in first.block_hashes] +
+        [tier_key(1, h) for h in first.block_hashes[3:]])
+    tables = kv.group_block_ids("a2")
+    assert {b for _, b in loads} == set(tables[0][:5] + tables[1][3:5])
 
 
 @settings(max_examples=150, deadline=None)
