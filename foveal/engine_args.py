@@ -41,8 +41,7 @@ class EngineArgs:
     kv_offload: str | None = None
     kv_offload_bytes: int = 1 << 30
     kv_offload_path: str | None = None
-    # Sliding-window layers keep every block (no own blocks, no eviction); also
-    # implied by the prefill / decode roles, whose KV transfers move whole blocks.
+    # Sliding-window layers keep every block (no own blocks, no eviction).
     disable_hybrid_kv_cache_manager: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -116,9 +115,7 @@ class EngineArgs:
                               encoder_cache_size=self.encoder_cache_size,
                               kv_offload=self.kv_offload, kv_offload_bytes=self.kv_offload_bytes,
                               kv_offload_path=self.kv_offload_path,
-                              disable_hybrid_kv_cache_manager=(
-                                  self.disable_hybrid_kv_cache_manager
-                                  or self.role in ("prefill", "decode"))),
+                              disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len,

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from foveal.config import EngineConfig, TransferConfig
+from foveal.engine.kv_groups import kv_cache_groups
 from foveal.engine.request import KVImport, Request
 from foveal.errors import InvalidRequestError, TransferError
 from foveal.logger import init_logger
@@ -86,8 +87,10 @@ def _check_fields(params: dict, types: dict, name: str) -> None:
 def layout_signature(config: EngineConfig) -> str:
     """What two engines must agree on for one's KV blocks to fit the other's pool."""
     text, cache = config.model.text, config.cache
+    groups = kv_cache_groups(config.model, cache)
     return (f"block_size={cache.block_size},kv={cache.kv_cache_dtype},layers="
-            f"{text.num_hidden_layers},kv_heads={text.num_key_value_heads},head_dim={text.head_dim}")
+            f"{text.num_hidden_layers},kv_heads={text.num_key_value_heads},head_dim={text.head_dim}"
+            + (f",groups={[list(layers) for layers in groups.layers]}" if groups else ""))
 
 
 def prompt_digest(token_ids: list[int], mm_hashes: list[str]) -> str:

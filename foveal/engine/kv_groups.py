@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from foveal.config import CacheConfig, ModelConfig
+
 
 @dataclass(frozen=True)
 class KVCacheGroups:
@@ -105,3 +107,13 @@ class KVCacheGroups:
         kinds = ["full" if w is None else f"window {w}" for w in self.windows]
         return (f"{self.num_groups} KV groups of {self.num_slots} layers "
                 f"({', '.join(f'{k}: {list(layers)}' for k, layers in zip(kinds, self.layers))})")
+
+
+def kv_cache_groups(model_config: ModelConfig, cache_config: CacheConfig) -> KVCacheGroups | None:
+    """Groups for a model with sliding-window layers, unless cache_config turns
+    them off; None: one group, every layer in every block."""
+    windows = model_config.text.layer_windows
+    if not any(windows) or cache_config.disable_hybrid_kv_cache_manager:
+        return None
+    groups = KVCacheGroups.for_layers([window or None for window in windows])
+    return groups if groups.is_hybrid else None

@@ -185,7 +185,7 @@ class KVCacheManager:
         """
         tables = self._tables.get(request.request_id)
         if tables is not None:
-            self._drop_outside_windows(request.request_id, request.num_computed_tokens)
+            self.release_outside_windows(request)
         else:
             tables = [[] for _ in range(self.num_groups)]
         computed = computed_blocks or [[] for _ in range(self.num_groups)]
@@ -219,10 +219,11 @@ class KVCacheManager:
             self._num_registered[request.request_id] = num_hit_blocks
         return appended
 
-    def _drop_outside_windows(self, request_id: str, first_query: int) -> None:
-        """Give back sliding groups' blocks that no query from first_query on reads."""
-        tables = self._tables[request_id]
-        for group, first in enumerate(self._first_live_blocks(first_query)):
+    def release_outside_windows(self, request: Request) -> None:
+        """Give back sliding groups' blocks that no query from the request's next
+        token (num_computed_tokens) on reads."""
+        tables = self._tables[request.request_id]
+        for group, first in enumerate(self._first_live_blocks(request.num_computed_tokens)):
             table = tables[group]
             for index in range(min(first, len(table))):
                 if table[index] != self.null_block:

@@ -109,11 +109,6 @@ class Scheduler:
                 f"request needs up to {num_blocks} KV blocks ({num_kv_tokens} tokens) but the "
                 f"pool has {self.kv.num_usable_blocks}; raise --kv-cache-memory-bytes or lower "
                 f"max_tokens / --max-model-len")
-        if self.kv.groups.is_hybrid and (request.kv_import is not None or request.export_kv):
-            raise InvalidRequestError(
-                "KV transfer between prefill and decode workers moves whole blocks of every "
-                "layer; this engine gives sliding-window layers their own blocks (start it "
-                "with --disable-hybrid-kv-cache-manager to transfer KV)")
         for feature in request.mm_features:
             self.encoder.check_fits(feature, self.config.encoder_compute_budget)
             longest = max((end - start for start, end in feature.bidirectional_spans), default=0)
@@ -244,18 +239,29 @@ class Scheduler:
                 break  # FCFS: nobody overtakes a request waiting for the encoder
             self.waiting.popleft()
             self._admit(request, num_hit)
+            if num_imported:
+                plan.kv_imports[request.request_id] = self._import_pairs(request, num_hit)
+                self.stats.kv_imported_tokens += num_imported
             tables = self.kv.group_block_ids(request.request_id)
             self._num_blocks_sent[request.request_id] = len(tables[0])
-            if num_imported:  # one group: check_request refuses imports with several
-                first, end = num_hit // self.kv.block_size, self.kv.blocks_needed(
-                    request.num_computed_tokens)
-                plan.kv_imports[request.request_id] = [(i, tables[0][i]) for i in range(first, end)]
-                self.stats.kv_imported_tokens += num_imported
             plan.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids),
                 [feature.without_payload() for feature in request.mm_features],
                 request.sampling_params, tables, request.num_computed_tokens))
             self._record(plan, budget, request, num_new, encoder_inputs)
+
+    def _import_pairs(self, request: Request, num_hit: int) -> list[tuple[int, int]]:
+        """(index among the imported blocks, pool block) for the blocks past the
+        prefix hit that the next token reads. The import holds each group's blocks
+        one after another; a sliding group's blocks behind the window are given
+        back first, unwritten, so they never enter the prefix cache."""
+        self.kv.release_outside_windows(request)
+        tables = self.kv.group_block_ids(request.request_id)
+        per_group = self.kv.blocks_needed(request.kv_import.num_tokens)
+        end = self.kv.blocks_needed(request.num_computed_tokens)
+        return [(group * per_group + i, table[i]) for group, table in enumerate(tables)
+                for i in range(num_hit // self.kv.block_size, end)
+                if table[i] != self.kv.null_block]
 
     def _num_importable(self, request: Request, num_hit: int) -> int:
         """Tokens past the local prefix hit whose KV came with the request from a

@@ -72,7 +72,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="sliding-window layers (Gemma 3) keep every KV block like "
                             "full-attention ones, instead of their own blocks freed once "
-                            "out of the window (implied by the prefill / decode roles)")
+                            "out of the window")
     group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="worker processes the model is split over")
     group.add_argument("--distributed-executor-backend",

@@ -9,7 +9,7 @@ import os
 import torch
 
 from foveal.config import CacheConfig, ModelConfig
-from foveal.engine.kv_groups import KVCacheGroups
+from foveal.engine.kv_groups import kv_cache_groups
 from foveal.errors import ConfigError
 from foveal.layers.attention.kv_quant import (QUANTIZED_KV_DTYPES, canonical_kv_dtype,
                                               get_kv_codec)
@@ -34,16 +34,6 @@ def kv_cache_spec(model_config: ModelConfig, cache_config: CacheConfig, model_dt
                        head_dim=text.head_dim, dtype=torch_dtype(float_name),
                        quantization=name if quantized else None,
                        groups=kv_cache_groups(model_config, cache_config))
-
-
-def kv_cache_groups(model_config: ModelConfig, cache_config: CacheConfig) -> KVCacheGroups | None:
-    """Groups for a model with sliding-window layers (kv_groups.py), unless
-    cache_config turns them off; None: one group, every layer in every block."""
-    windows = model_config.text.layer_windows
-    if not any(windows) or cache_config.disable_hybrid_kv_cache_manager:
-        return None
-    groups = KVCacheGroups.for_layers([window or None for window in windows])
-    return groups if groups.is_hybrid else None
 
 
 def available_kv_memory(cache_config: CacheConfig, device: str | torch.device) -> int:

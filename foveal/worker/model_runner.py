@@ -179,12 +179,15 @@ class ModelRunner:
         return failed
 
     def _export_kv(self, kv_exports: dict[str, int], output: ModelRunnerOutput) -> None:
-        """Host copies of the prompt KV of requests a decode worker continues."""
+        """Host copies of the prompt KV of requests a decode worker continues: with
+        KV cache groups, each group's blocks one after another (a sliding group's
+        blocks behind its window are the null block's zeros)."""
         for request_id, num_tokens in kv_exports.items():
             if request_id in output.failed_requests or request_id not in self.requests:
                 continue
             num_blocks = -(-num_tokens // self.block_size)
-            block_ids = self.requests[request_id].block_ids[0][:num_blocks]
+            block_ids = [block_id for table in self.requests[request_id].block_ids
+                         for block_id in table[:num_blocks]]
             output.kv_exports[request_id] = self.kv_caches.read_stacked(block_ids)
 
     def _update_states(self, plan: StepPlan) -> None:

@@ -174,10 +174,8 @@ def test_every_family_disaggregates_like_one_engine(tiny_checkpoints, preset):
     assert run(prefill, [request])["p"][0] == expected
     assert prefill.get_stats()["foveal:encoder_items_total"] == 0
 
-    # prefill and decode roles: Gemma 3's sliding layers then share whole blocks
-    prefill, decode = (build_engine_core(engine_config(path, role=role))
-                       for role in ("prefill", "decode"))
-    assert prefill_then_decode(prefill, decode, config, prompt, "d") == expected
+    assert prefill_then_decode(build_engine_core(config), build_engine_core(config), config,
+                               prompt, "d") == expected
 
 
 @pytest.mark.parametrize("preset", ["tiny-smolvlm", "tiny-llava-onevision", "tiny-qwen3-vl"])

@@ -195,25 +195,27 @@ def test_sliding_groups_with_preemption_and_int8_kv(checkpoint, hf_model):
                                    atol=1e-5, rtol=0)
 
 
-def test_kv_transfer_is_refused_with_sliding_groups_and_turns_them_off(checkpoint):
-    """Prefill / decode workers move whole blocks of every layer: those roles
-    run without groups; a KV export asked of an engine
-    with groups is a clear error for that request alone."""
-    from foveal.engine_args import EngineArgs
-    from foveal.errors import InvalidRequestError
+def test_prefill_and_decode_workers_move_each_groups_blocks(checkpoint):
+    """A prefill engine exports each group's blocks (a sliding group's last window
+    live, the rest the null block's zeros); a decode engine writes the blocks its next
+    token reads and continues: one mixed engine's tokens, on a prompt far past the
+    window. Engines with and without groups refuse each other's layout."""
+    from foveal.disagg.exchange import layout_signature
+    from foveal.executor import build_engine_core
+    from tests.e2e.test_disagg_engine import engine_config, make_request, prefill_then_decode, run
 
-    for options in ({"role": "prefill"}, {"role": "decode"}):
-        config = EngineArgs.from_kwargs(checkpoint, **options).create_engine_config()
-        assert config.cache.disable_hybrid_kv_cache_manager
-    llm = _llm(checkpoint)
-    engine = llm.llm_engine
-    request = engine.input_processor.process(
-        engine.new_request_id(), {"prompt": "hello there"}, PARAMS).request
-    request.export_kv = True
-    with pytest.raises(InvalidRequestError, match="disable-hybrid-kv-cache-manager"):
-        engine.core.scheduler.check_request(request)
-    output = llm.chat([CONVERSATIONS[0]], PARAMS, use_tqdm=False)[0]  # the engine serves on
-    assert len(output.outputs[0].token_ids) == MAX_TOKENS
+    config = engine_config(checkpoint, block_size=4)
+    tokenizer_text = _llm(checkpoint).get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": LONG[0]["content"][1]["text"]},
+                                      {"type": "image"}]}], add_generation_prompt=True)
+    prompt = {"prompt": tokenizer_text, "multi_modal_data": {"image": _image(120, 150, 5)}}
+    expected = run(build_engine_core(config), [make_request(config, "m", prompt)])["m"][0]
+    prefill, decode = build_engine_core(config), build_engine_core(config)
+    assert prefill.scheduler.kv.groups.is_hybrid
+    assert prefill_then_decode(prefill, decode, config, prompt, "d") == expected
+    assert decode.get_stats()["foveal:kv_imported_tokens_total"] > 150
+    plain = engine_config(checkpoint, block_size=4, disable_hybrid_kv_cache_manager=True)
+    assert layout_signature(plain) != layout_signature(config)
 
 
 def test_offload_tier_brings_back_each_groups_blocks(checkpoint, hf_model):
