@@ -154,7 +154,8 @@ class ModelRunnerOutput:
     # worker (e.g. an encoder input that could not be run); they fail alone.
     failed_requests: dict[str, str] = field(default_factory=dict)
     # request id -> its prompt's KV blocks (StepPlan.kv_exports), host tensors:
-    # "kv" (num_layers, 2, num_blocks, block_size, Hkv, D) and, quantized, "scales"
+    # "kv" (num_tensors, 2, num_groups * num_blocks, block_size, Hkv, D), each KV cache
+    # group's blocks one after another, and, quantized, "scales"
     kv_exports: dict[str, dict] = field(default_factory=dict)
 
 
