@@ -103,12 +103,14 @@ def _peak_running(llm, prompts: list[dict], output_lens: list[int]) -> int:
 
 def _throughput(llm, prompts: list[dict], output_lens: list[int]) -> dict:
     names = ("num_preemptions_total", "prefix_cache_hits_total", "computed_tokens_total")
-    before = {name: llm.get_metrics()[f"foveal:{name}"] for name in names}
+    metrics = llm.get_metrics()
+    before = {name: metrics[f"foveal:{name}"] for name in names}
     start = time.perf_counter()
     outputs = llm.generate(prompts, [_sampling(n) for n in output_lens], use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    delta = {name: llm.get_metrics()[f"foveal:{name}"] - before[name] for name in names}
+    metrics = llm.get_metrics()
+    delta = {name: metrics[f"foveal:{name}"] - before[name] for name in names}
     return {"output_tok_s": tokens / elapsed, "throughput_s": elapsed,
             "preemptions": delta["num_preemptions_total"],
             "prefix_cache_hit_tokens": delta["prefix_cache_hits_total"],

@@ -16,6 +16,7 @@ read this, so they agree on which page holds what.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from foveal.config import CacheConfig, ModelConfig
@@ -73,11 +74,17 @@ class KVCacheGroups:
     def num_layers(self) -> int:
         return sum(len(group) for group in self.layers)
 
+    @cached_property
+    def _layer_places(self) -> dict[int, tuple[int, int]]:
+        """layer -> (group, slot), derived once: layers read it every forward."""
+        return {layer: (group, slot) for group, members in enumerate(self.layers)
+                for slot, layer in enumerate(members)}
+
     def group_of(self, layer: int) -> int:
-        return next(g for g, group in enumerate(self.layers) if layer in group)
+        return self._layer_places[layer][0]
 
     def slot_of(self, layer: int) -> int:
-        return self.layers[self.group_of(layer)].index(layer)
+        return self._layer_places[layer][1]
 
     def blocks_held(self, group: int, num_tokens: int, step_tokens: int, block_size: int) -> int:
         """Most blocks one request of num_tokens holds in a group while steps of

@@ -64,7 +64,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.groups = groups or KVCacheGroups((None,), ((),))
+        self.groups = groups or KVCacheGroups.single(0)
         self.num_groups = self.groups.num_groups
         self.offload = offload if enable_prefix_caching else None
         # The null block stands in a sliding group's table for blocks given back.
@@ -226,9 +226,8 @@ class KVCacheManager:
         for group, first in enumerate(self._first_live_blocks(request.num_computed_tokens)):
             table = tables[group]
             for index in range(min(first, len(table))):
-                if table[index] != self.null_block:
-                    self._release(table[index])
-                    table[index] = self.null_block
+                self._release(table[index])
+                table[index] = self.null_block
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register hashes of blocks the request has fully computed."""
@@ -259,8 +258,7 @@ class KVCacheManager:
         # Tail blocks first, so a prefix chain is evicted from its end.
         for table in tables:
             for block_id in reversed(table):
-                if block_id != self.null_block:
-                    self._release(block_id)
+                self._release(block_id)
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Give back the trailing blocks the request's first num_tokens do not
@@ -273,14 +271,16 @@ class KVCacheManager:
             del table[keep:]
             num_trimmed = len(trailing)
             for block_id in reversed(trailing):
-                if block_id != self.null_block:
-                    self._release(block_id)
+                self._release(block_id)
         registered = self._num_registered.get(request.request_id)
         if registered is not None:
             self._num_registered[request.request_id] = min(registered, keep)
         return num_trimmed
 
     def _release(self, block_id: int) -> None:
+        """Drop one reference; the null block (held by no one) is skipped."""
+        if block_id == self.null_block:
+            return
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
             self._free[block_id] = None

@@ -110,7 +110,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         positions = self.positions[..., :size]
         metadata = self.metadata[size]
-        caches, scales = self.kv_caches.per_layer()
+        caches, scales = self.kv_caches.by_layer
         with forward_context(metadata[0], caches, scales, static_shapes=True,
                              layer_metadata=layer_metadata(self.groups, metadata)):
             return self.model(self.inputs_embeds[:size], positions)

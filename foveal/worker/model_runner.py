@@ -8,7 +8,7 @@ requests that reached their last known token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import numpy as np
@@ -153,7 +153,7 @@ class ModelRunner:
                                                    batch.group_metadata)
             if hidden_states is not None:
                 return hidden_states, hidden_states
-        caches, scales = self.kv_caches.per_layer()
+        caches, scales = self.kv_caches.by_layer
         with forward_context(batch.attn_metadata, caches, scales,
                              layer_metadata=layer_metadata(self.kv_caches.spec.layer_groups,
                                                            batch.group_metadata)):
@@ -279,9 +279,15 @@ class ModelRunner:
             slot_mapping = (block_tables[request_index, token_index // self.block_size]
                             .astype(np.int64) * self.block_size
                             + token_index % self.block_size)  # (T,)
-            metadata = AttentionMetadata.from_arrays(slot_mapping, query_start_loc, seq_lens,
-                                                     block_tables, self.block_size, self.device)
-            metadata.bidirectional_spans = spans if any(spans) else None
+            if not group_metadata:
+                metadata = AttentionMetadata.from_arrays(
+                    slot_mapping, query_start_loc, seq_lens, block_tables, self.block_size,
+                    self.device)
+                metadata.bidirectional_spans = spans if any(spans) else None
+            else:  # the same batch layout over another group's tables
+                metadata = replace(group_metadata[0], backend_cache={},
+                                   slot_mapping=self._to_device(slot_mapping),
+                                   block_tables=self._to_device(block_tables))
             group_metadata.append(metadata)
         input_ids = list(chain.from_iterable(
             _new_token_ids(item, a, b)

@@ -184,7 +184,7 @@ def test_sliding_window_groups_size_pages_by_the_layers_a_page_holds():
     with pytest.raises(ConfigError, match="needs"):
         spec.num_blocks_for((needed - 1) * spec.block_bytes, 8192, 2048)
     caches = spec.allocate(4, "cpu")
-    layers, scales = caches.per_layer()
+    layers, scales = caches.by_layer
     assert len(caches.layers) == 5 and len(layers) == 34 and scales is None
     assert layers[5] is caches.layers[0] and layers[11] is caches.layers[1]  # full layers
     assert layers[0] is caches.layers[0] and layers[33] is caches.layers[3]  # sliding ones

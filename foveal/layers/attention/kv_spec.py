@@ -17,6 +17,7 @@ block ids of its own group's table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -138,8 +139,10 @@ class KVCaches:
     layers: list[torch.Tensor]  # per tensor spec.layer_shape(num_blocks)
     scales: list[torch.Tensor] | None = None  # per tensor spec.scale_layer_shape(num_blocks)
 
-    def per_layer(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """(caches, scales) indexed by decoder layer, as the forward context takes them."""
+    @cached_property
+    def by_layer(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(caches, scales) indexed by decoder layer, as the forward context takes them
+        (views of the pool's tensors, derived once)."""
         groups = self.spec.layer_groups
         if not groups.is_hybrid:
             return self.layers, self.scales
