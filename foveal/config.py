@@ -245,3 +245,4 @@ class EngineConfig:
     quantization: str | None = None  # online weight quantization: "int8" (W8A8 dynamic)
     quantize_lm_head: bool = False  # with int8: the LM head too (an int8 copy; a tied embedding stays)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    compile_decode: bool = False  # CPU: steps of a few tokens through torch.compile

@@ -50,6 +50,9 @@ class EngineArgs:
     quantization: str | None = None  # "int8": W8A8, dynamic per-token activations (CPU)
     quantize_lm_head: bool = False  # with quantization="int8": the LM head as well
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, never as CUDA graphs
+    # CPU: decode steps of up to 4 tokens as Inductor graphs (foveal/worker/compiled_decode.py);
+    # compiles at start, keeps dense weights beside the blocked ones
+    compile_decode: bool = False
     role: str = "mixed"  # disaggregated serving: encode | prefill | decode | mixed
     transfer_host: str = "127.0.0.1"
     transfer_advertise_host: str | None = None
@@ -134,6 +137,7 @@ class EngineArgs:
             quantization=quantization,
             quantize_lm_head=self.quantize_lm_head,
             enforce_eager=self.enforce_eager,
+            compile_decode=self.compile_decode,
         )
 
     def _speculative_config(self, max_model_len: int, text: TextConfig

@@ -95,6 +95,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run every step eagerly (decode steps are otherwise replayed "
                             "from CUDA graphs captured at start, one per batch size bucket)")
+    group.add_argument("--compile-decode", action="store_true",
+                       help="CPU: run decode steps of up to 4 tokens as torch.compile (Inductor) "
+                            "graphs: fused elementwise ops and weight-streaming GEMVs. Compiles at "
+                            "start (needs g++) and keeps dense weights beside the blocked ones")
 
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -105,7 +109,7 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_bat
                 "disable_hybrid_kv_cache_manager",
                 "kv_cache_dtype", "tensor_parallel_size", "distributed_executor_backend",
                 "mm_encoder_tp_mode", "speculative_config", "quantization", "quantize_lm_head",
-                "enforce_eager")
+                "enforce_eager", "compile_decode")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

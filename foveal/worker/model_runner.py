@@ -22,6 +22,7 @@ from foveal.layers.attention.kv_spec import KVCaches
 from foveal.logger import init_logger
 from foveal.multimodal.inputs import ENCODED_KEY, MMFeature
 from foveal.sampling_params import SamplingParams
+from foveal.worker.compiled_decode import CompiledDecode, compile_applies
 from foveal.worker.cuda_graphs import DecodeGraphs, graphs_apply
 from foveal.worker.device import torch_dtype
 from foveal.worker.encoder_connector import EncoderConnectorWorker
@@ -100,6 +101,16 @@ class ModelRunner:
                 self.decode_graphs.capture_all()
             else:
                 logger.info("decode steps run eagerly: %s", why_not)
+        self.compiled_decode: CompiledDecode | None = None
+        if engine_config.compile_decode:
+            why_not = compile_applies(engine_config, draft_head is not None)
+            if why_not is None:
+                self.compiled_decode = CompiledDecode(
+                    model, engine_config.model.text.hidden_size, torch_dtype(engine_config.dtype),
+                    self.position_rule.num_axes)
+                self.compiled_decode.warm_up(kv_caches.by_layer[0])
+            else:
+                logger.info("decode steps are not compiled: %s", why_not)
         self.drafter = None
         if draft_head is not None:
             self.drafter = EagleProposer(
@@ -157,6 +168,10 @@ class ModelRunner:
         with forward_context(batch.attn_metadata, caches, scales,
                              layer_metadata=layer_metadata(self.kv_caches.spec.layer_groups,
                                                            batch.group_metadata)):
+            if self.compiled_decode is not None and not aux_layers:
+                hidden_states = self.compiled_decode.run(inputs_embeds, batch.positions)
+                if hidden_states is not None:
+                    return hidden_states, hidden_states
             if aux_layers:
                 return self.model(inputs_embeds, batch.positions, aux_layers)
             hidden_states = self.model(inputs_embeds, batch.positions)  # (T, hidden)

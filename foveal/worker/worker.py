@@ -17,6 +17,7 @@ from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
 from foveal.layers.attention.kv_spec import KVCacheSpec
 from foveal.layers.linear import prepack_weights
+from foveal.worker.compiled_decode import compile_applies
 from foveal.layers.quantization import quantize_weights
 from foveal.multimodal.inputs import MMFeature
 from foveal.worker.device import torch_dtype
@@ -54,7 +55,9 @@ class Worker:
         self.draft_head = self._load_draft_head()
         quantize_weights(self.model, self.config.quantization,  # --quantization int8
                          lm_head=self.config.quantize_lm_head)
-        prepack_weights(self.model)  # CPU fp32: oneDNN-blocked GEMM weights
+        # CPU fp32: oneDNN-blocked GEMM weights (compiled decode steps read the dense ones)
+        prepack_weights(self.model, keep_dense=self.config.compile_decode and compile_applies(
+            self.config, self.draft_head is not None) is None)
         if self.draft_head is not None:
             prepack_weights(self.draft_head)
 

@@ -1,10 +1,31 @@
 """The decoder attention layer: paged KV cache, backend chosen by device."""
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
 
 from foveal.forward_context import get_forward_context
+
+# Attention layers by key, for the `foveal::attention` op a compiled forward calls.
+_LAYERS: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("foveal::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """One attention layer as an op a compiled graph calls without tracing into: the
+    layer reads its KV cache and the batch layout from the forward context, and
+    writes the new K/V into the cache (a side effect the graph does not see; nothing
+    else in the forward reads the cache)."""
+    return _LAYERS[layer].attend(q.contiguous(), k.contiguous(), v.contiguous())
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return q.new_empty(q.shape)  # contiguous, as the backends return it
 
 
 class Attention(nn.Module):
@@ -28,6 +49,8 @@ class Attention(nn.Module):
         self._backends: dict[str, object] = {}
         # Per-head (k, v) scales a checkpoint gives for fp8 KV; None: computed per token.
         self.static_kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.key = next(_KEYS)
+        _LAYERS[self.key] = self
 
     def _backend(self, device_type: str):
         if device_type not in self._backends:
@@ -40,7 +63,13 @@ class Attention(nn.Module):
         return self._backends[device_type]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D)."""
+        """q (T, H*D), k/v (T, Hkv*D) -> (T, H*D). Inside torch.compile, an opaque op
+        (foveal/worker/compiled_decode.py)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.foveal.attention(q, k, v, self.key)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context = get_forward_context()
         metadata = context.metadata_for(self.layer_idx)
         kv_cache = kv_scales = None

@@ -61,10 +61,12 @@ class _Prefill:
 class StepLayout:
     decode_rows: torch.Tensor | None  # (Bd,) rows of single-query requests
     decode_slots: torch.Tensor | None  # (Bd, Lmax) flat slots, padding points at slot 0
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) True where the key is real
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) True where the key is real;
+    # None when every decode row sees all Lmax keys (one request, or equal lengths)
     decode_lens: torch.Tensor | None  # (Bd,) context lengths
     prefills: list[_Prefill]
     decode_requests: torch.Tensor | None = None  # (Bd,) batch indices of the decode rows
+    all_decode: bool = False  # every row is its request's one query (rows = requests, in order)
 
     @classmethod
     def build(cls, metadata: AttentionMetadata, context_always: bool = False,
@@ -88,8 +90,10 @@ class StepLayout:
         max_len = int(max(seq_lens[i] for i in decodes))
         tables = metadata.block_tables[requests]
         slots = context_slots(tables, max_len, metadata.block_size)  # (Bd, Lmax)
-        mask = torch.arange(max_len, device=device) < lens.unsqueeze(-1)  # (Bd, Lmax)
-        return cls(rows, slots, mask[:, None, None, :], lens, prefills, requests)
+        mask = None
+        if any(seq_lens[i] != max_len for i in decodes):
+            mask = (torch.arange(max_len, device=device) < lens.unsqueeze(-1))[:, None, None, :]
+        return cls(rows, slots, mask, lens, prefills, requests, all_decode=not prefills)
 
     @staticmethod
     def _prefill(metadata, starts, seq_lens, i, context_always: bool) -> _Prefill:
@@ -159,6 +163,8 @@ class SdpaBackend:
         if layout is None:
             layout = metadata.backend_cache[self.layout_key] = StepLayout.build(
                 metadata, decode_slots=self.layout_key == "sdpa")
+        if layout.all_decode:  # a decode step: no row to scatter
+            return self._decode(q, kv_cache, layout, metadata).view(num_tokens, -1)
         out = torch.empty_like(q)  # (T, H, D)
         if layout.decode_rows is not None:
             out[layout.decode_rows] = self._decode(q[layout.decode_rows], kv_cache, layout,

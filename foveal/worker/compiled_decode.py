@@ -1,0 +1,99 @@
+"""Decode steps through torch.compile, on CPU (`--compile-decode`).
+
+An eager decode step of one sequence runs some seventy small ops per decoder layer
+between its weight reads (norms, residual adds, rotary, the SwiGLU product, views),
+each a Python call and a dispatch: on the `small` preset about a quarter of the
+step. And oneDNN's GEMV streams fp32 weights at ~23 GB/s where the machine reads
+~30-40 GB/s.
+
+With `--compile-decode`, a step of at most `MAX_ROWS` new tokens runs the text
+decoder's forward as one Inductor graph: the elementwise ops fuse into the loops
+around the weight reads, and each dense linear layer becomes a reduction Inductor
+writes itself (linear.py `_compiled_linear`), which reads each weight row once for
+all rows of the step. Attention stays the eager backend behind the opaque
+`foveal::attention` op (it reads the paged cache and the batch layout from the
+forward context), as do int8 layers (`foveal::linear`). Steps with more tokens
+(prefill chunks, larger decode batches) run eagerly on the oneDNN-blocked weights,
+so the engine keeps the dense weights beside the blocked ones: weight memory
+doubles for fp32 / bf16 layers.
+
+Two graphs per engine: one for a single token, one for 2..MAX_ROWS tokens (a
+dynamic row count). They compile at start (`warm_up`): ~10-60 s on 2 cores the first
+time, less once Inductor's on-disk cache holds them. Tokens equal the eager
+engine's up to fp32 summation order (the parity tests in
+tests/unit/test_compiled_decode.py compare them).
+"""
+from __future__ import annotations
+
+import shutil
+import time
+
+import torch
+
+from foveal.config import EngineConfig
+from foveal.forward_context import forward_context
+from foveal.layers.linear import register_compiled_linears
+from foveal.logger import init_logger
+
+logger = init_logger(__name__)
+
+# More rows than this read each weight from memory once per row block in the
+# reduction's loop order, and oneDNN's blocked GEMM is faster (docs/benchmarks.md).
+MAX_ROWS = 4
+
+
+def compile_applies(config: EngineConfig, has_draft_head: bool) -> str | None:
+    """None when decode steps can be compiled; else why not (logged, the engine
+    then runs them eagerly)."""
+    if torch.device(config.device).type != "cpu":
+        return "compiled decode steps are CPU only (CUDA replays CUDA graphs)"
+    if config.transfer.role == "encode":
+        return "an encode worker has no decoder"
+    if has_draft_head:
+        return "an EAGLE head reads per-layer features"
+    if config.parallel.tensor_parallel_size > 1:
+        return "tensor parallelism (the all-reduce is not a compiled op yet)"
+    if config.model.text.num_experts:
+        return "MoE layers route tokens on the host"
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "no C++ compiler for Inductor's kernels (apt-get install g++)"
+    return None
+
+
+class CompiledDecode:
+    def __init__(self, model: torch.nn.Module, hidden_size: int, dtype: torch.dtype,
+                 num_axes: int) -> None:
+        """num_axes: the position rule's axes (3 for M-RoPE, 1 for plain RoPE)."""
+        register_compiled_linears(model)
+        self.hidden_size, self.dtype, self.num_axes = hidden_size, dtype, num_axes
+        # Each engine's model is a new guard target: two graphs per engine.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        self.steps = 0  # steps run through the graphs (warm-up excluded)
+
+    def run(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The decoder's hidden states (T, hidden) of a step of T <= MAX_ROWS tokens,
+        inside the caller's forward context; None for larger steps."""
+        rows = inputs_embeds.shape[0]
+        if rows > MAX_ROWS:
+            return None
+        if rows > 1:
+            torch._dynamo.mark_dynamic(inputs_embeds, 0, min=2, max=MAX_ROWS)
+            torch._dynamo.mark_dynamic(positions, positions.dim() - 1, min=2, max=MAX_ROWS)
+        self.steps += 1
+        return self.forward(inputs_embeds, positions)
+
+    @torch.inference_mode()
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """Compile both graphs now, on inputs without a batch layout (attention then
+        runs on the rows alone and writes no cache)."""
+        started = time.perf_counter()
+        for rows in (1, 2):
+            embeds = torch.zeros(rows, self.hidden_size, dtype=self.dtype)
+            positions = torch.zeros((self.num_axes, rows) if self.num_axes > 1 else (rows,),
+                                    dtype=torch.int64)
+            with forward_context(None, kv_caches):
+                self.run(embeds, positions)
+        self.steps = 0
+        logger.info("compiled the decode step for 1 and 2-%d tokens in %.1f s", MAX_ROWS,
+                    time.perf_counter() - started)
