@@ -3,13 +3,16 @@ oneDNN-blocked weights Foveal uses (`foveal.layers.linear.prepack_weights`),
 in fp32 and in bf16 (which Foveal packs only where the CPU has bf16 instructions),
 and the two int8 W8A8 kernels of `--quantization int8` (`foveal.layers.quantization`):
 the exact per-token GEMM (`torch._int_mm`, fast with VNNI / AMX) and FBGEMM's dynamic
-linear (the choice on CPUs without them).
+linear (the choice on CPUs without them). With --compiled, for 1-4 rows, also the
+reduction compiled decode steps run (`foveal.layers.linear.small_batch_linear` under
+torch.compile) on the dense fp32 and bf16 weights.
 
 Each kernel cycles through COPIES different weights, so (as in a decode step,
 which reads every layer once) the weights come from memory, not from the cache.
 
-    python scripts/bench_linear_kernels.py
+    python scripts/bench_linear_kernels.py [--compiled]
 """
+import argparse
 import statistics
 import time
 
@@ -35,8 +38,12 @@ def median_ms(fn, weights) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time compiled decode steps' reduction (rows 1-4)")
+    args = parser.parse_args()
     from foveal.cpu_features import cpu_features
-    from foveal.layers.linear import packs_bf16
+    from foveal.layers.linear import packs_bf16, small_batch_linear
     from foveal.layers.quantization import int8_kernel, int8_linear, pack_fbgemm, quantize_int8
 
     print(cpu_features().describe(), f"{torch.get_num_threads()} threads; "
@@ -47,8 +54,11 @@ def main() -> None:
                    if packs_bf16() else None)
     quantized = [quantize_int8(w) for w in weights]
     fbgemm = [(q, s, pack_fbgemm(q, s)) for q, s in quantized]
+    compiled = torch.compile(small_batch_linear, dynamic=False) if args.compiled else None
+    weights_bf16 = [w.bfloat16() for w in weights] if args.compiled else None
     print(f"{'M':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'bf16 oneDNN ms':>15} "
-          f"{'int8 exact ms':>14} {'int8 FBGEMM ms':>15}")
+          f"{'int8 exact ms':>14} {'int8 FBGEMM ms':>15}"
+          + (f" {'compiled ms':>12} {'bf16 compiled ms':>17}" if compiled else ""))
     for rows in (1, 2, 4, 8, 32, 256, 1024):
         x = torch.randn(rows, IN_FEATURES)
         x_bf16 = x.bfloat16()
@@ -59,8 +69,15 @@ def main() -> None:
             x_bf16, p, None, "none", [], ""), packed_bf16) if packed_bf16 else float("nan")
         exact = median_ms(lambda q: int8_linear(x, q[0], q[1], None), quantized)
         dynamic = median_ms(lambda q: int8_linear(x, q[0], q[1], None, q[2]), fbgemm)
-        print(f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {half:>15.2f} {exact:>14.2f} "
-              f"{dynamic:>15.2f}")
+        line = (f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {half:>15.2f} {exact:>14.2f} "
+                f"{dynamic:>15.2f}")
+        if compiled is not None and rows <= 4:
+            if rows > 1:  # as compiled_decode.py: one graph for 2-4 rows
+                torch._dynamo.mark_dynamic(x, 0, min=2, max=4)
+                torch._dynamo.mark_dynamic(x_bf16, 0, min=2, max=4)
+            line += (f" {median_ms(lambda w: compiled(x, w), weights):>12.2f}"
+                     f" {median_ms(lambda w: compiled(x_bf16, w), weights_bf16):>17.2f}")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -209,17 +209,30 @@ def _out_features(layer: nn.Module) -> int:
 
 
 def _compiled_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    """Under torch.compile: x (T, K) with a small T. A dense float weight becomes a
-    reduction Inductor writes itself, laid out (N, T) so that each weight row is read
-    from memory once for all T rows and its products summed in fp32: on a 2-core
-    AMD EPYC 1.3x the bandwidth of oneDNN's GEMV at T = 1 (fp32; 1.4x bf16) and
-    1.35x at T = 2-4 (docs/benchmarks.md, "Compiled decode steps"). int8 weights
-    (W8A8, FBGEMM) and weights kept only blocked go through `foveal::linear`."""
-    weight = layer.weight
-    if getattr(layer, "int8_weight", None) is not None or not weight.numel():
-        if not hasattr(layer, "compile_key"):
-            raise RuntimeError("a linear layer without a compile key inside torch.compile")
-        return torch.ops.foveal.linear(x, layer.compile_key, bias is not None)
+    """Under torch.compile: x (T, K), T <= 4. For one row, a dense float weight becomes
+    a reduction Inductor writes itself (small_batch_linear): on a 2-core AMD EPYC it
+    streams the weight 1.2x faster than oneDNN's GEMV in fp32 and 1.4x in bf16
+    (docs/benchmarks.md, "Compiled decode steps"). With 2-4 rows it is no faster than
+    oneDNN's blocked GEMM in fp32 and slower in bf16, so those, FBGEMM's packed int8
+    weights and weights kept only blocked go through `foveal::linear`; int8 weights on
+    the exact kernel are traced as they are (their activation quantization and rescale
+    fuse around ATen's int8 GEMM)."""
+    int8 = getattr(layer, "int8_weight", None) is not None
+    if int8 and getattr(layer, "int8_fbgemm", None) is None:
+        return int8_linear(x, layer.int8_weight, layer.int8_scale, bias)
+    if x.shape[0] == 1 and not int8 and layer.weight.numel():
+        return small_batch_linear(x, layer.weight, bias)
+    if not hasattr(layer, "compile_key"):
+        raise RuntimeError("a linear layer without a compile key inside torch.compile")
+    return torch.ops.foveal.linear(x, layer.compile_key, bias is not None)
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, K) W^T + b as a reduction over K with an (N, T) output, written for
+    Inductor: under torch.compile each weight row is loaded once and used for all T
+    rows, its products summed in fp32 (scripts/bench_linear_kernels.py --compiled times
+    it). Eagerly it is slow."""
     out = (x.float()[None, :, :] * weight.float()[:, None, :]).sum(-1)  # (N, T)
     if bias is not None:
         out = out + bias.float()[:, None]

@@ -7,19 +7,21 @@ step. And oneDNN's GEMV streams fp32 weights at ~23 GB/s where the machine reads
 ~30-40 GB/s.
 
 With `--compile-decode`, a step of at most `MAX_ROWS` new tokens runs the text
-decoder's forward as one Inductor graph: the elementwise ops fuse into the loops
-around the weight reads, and each dense linear layer becomes a reduction Inductor
-writes itself (linear.py `_compiled_linear`), which reads each weight row once for
-all rows of the step. Attention stays the eager backend behind the opaque
-`foveal::attention` op (it reads the paged cache and the batch layout from the
-forward context), as do int8 layers (`foveal::linear`). Steps with more tokens
-(prefill chunks, larger decode batches) run eagerly on the oneDNN-blocked weights,
-so the engine keeps the dense weights beside the blocked ones: weight memory
-doubles for fp32 / bf16 layers.
+decoder's forward as one Inductor graph: the elementwise ops fuse into a few loops
+around the weight reads. In a one-token step each dense linear layer becomes a
+reduction Inductor writes itself (linear.py `_compiled_linear`), which streams the
+weight faster than oneDNN's GEMV; steps of 2-4 tokens keep oneDNN's blocked GEMM
+behind the opaque `foveal::linear` op. Attention stays the eager backend behind
+`foveal::attention` (it reads the paged cache and the batch layout from the
+forward context); int8 layers on the exact kernel are traced, FBGEMM's behind
+`foveal::linear`. Larger steps (prefill chunks, larger decode batches) run eagerly
+on the blocked weights, so the engine keeps the dense weights beside the blocked
+ones: weight memory doubles for fp32 / bf16 layers.
 
 Two graphs per engine: one for a single token, one for 2..MAX_ROWS tokens (a
-dynamic row count). They compile at start (`warm_up`): ~10-60 s on 2 cores the first
-time, less once Inductor's on-disk cache holds them. Tokens equal the eager
+dynamic row count); the same two for the LM head of the sampled rows. They compile
+at start (`warm_up`): ~15-70 s on 2 cores the first time, a few seconds once
+Inductor's on-disk cache holds them. Tokens equal the eager
 engine's up to fp32 summation order (the parity tests in
 tests/unit/test_compiled_decode.py compare them).
 """
@@ -37,8 +39,8 @@ from foveal.logger import init_logger
 
 logger = init_logger(__name__)
 
-# More rows than this read each weight from memory once per row block in the
-# reduction's loop order, and oneDNN's blocked GEMM is faster (docs/benchmarks.md).
+# Steps of up to this many tokens run compiled: decode of 1-4 requests, or a prompt's
+# last few tokens after a prefix-cache hit; larger ones gain little from fusion.
 MAX_ROWS = 4
 
 
@@ -69,6 +71,9 @@ class CompiledDecode:
         # Each engine's model is a new guard target: two graphs per engine.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        # the LM head of the sampled rows: on real vocabularies one of the largest weights
+        self.eager_logits = model.compute_logits
+        self.compiled_logits = torch.compile(model.compute_logits, fullgraph=True, dynamic=False)
         self.steps = 0  # steps run through the graphs (warm-up excluded)
 
     def run(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -83,6 +88,15 @@ class CompiledDecode:
         self.steps += 1
         return self.forward(inputs_embeds, positions)
 
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32 logits, through a graph for N <= MAX_ROWS."""
+        rows = hidden_states.shape[0]
+        if rows > MAX_ROWS:
+            return self.eager_logits(hidden_states)
+        if rows > 1:
+            torch._dynamo.mark_dynamic(hidden_states, 0, min=2, max=MAX_ROWS)
+        return self.compiled_logits(hidden_states)
+
     @torch.inference_mode()
     def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
         """Compile both graphs now, on inputs without a batch layout (attention then
@@ -94,6 +108,7 @@ class CompiledDecode:
                                     dtype=torch.int64)
             with forward_context(None, kv_caches):
                 self.run(embeds, positions)
+            self.compute_logits(embeds)
         self.steps = 0
         logger.info("compiled the decode step for 1 and 2-%d tokens in %.1f s", MAX_ROWS,
                     time.perf_counter() - started)

@@ -109,6 +109,7 @@ class ModelRunner:
                     model, engine_config.model.text.hidden_size, torch_dtype(engine_config.dtype),
                     self.position_rule.num_axes)
                 self.compiled_decode.warm_up(kv_caches.by_layer[0])
+                self.sampling.compute_logits = self.compiled_decode.compute_logits
             else:
                 logger.info("decode steps are not compiled: %s", why_not)
         self.drafter = None

@@ -24,6 +24,8 @@ class StepSampling:
         """with_token_proposer: draft from the tokens here (n-gram); False when a
         draft model proposes after the step (EAGLE, in the model runner)."""
         self.model = model
+        # the model's LM head, or a compiled one (compiled_decode.py)
+        self.compute_logits = model.compute_logits
         self.sampler = sampler
         self.speculative = speculative
         self.proposer = (build_proposer(speculative)
@@ -32,7 +34,7 @@ class StepSampling:
     def sample(self, hidden_states: torch.Tensor, sampled: list["ScheduledRequest"],
                output: ModelRunnerOutput) -> None:
         """hidden_states (N, hidden): 1 + len(drafts) rows per sampled request, in order."""
-        logits = self.model.compute_logits(hidden_states)  # (N, vocab) float32
+        logits = self.compute_logits(hidden_states)  # (N, vocab) float32
         counts = [1 + len(item.drafts) for item in sampled]
         per_request = logits.split(counts)
         plain = [i for i, item in enumerate(sampled) if not item.drafts]

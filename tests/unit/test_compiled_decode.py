@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from foveal import LLM, SamplingParams
@@ -127,8 +128,25 @@ def test_more_rows_than_the_graph_takes_run_eagerly():
             calls.append(inputs_embeds.shape[0])
             return inputs_embeds * 2
 
+        def compute_logits(self, hidden_states):
+            return hidden_states.sum(-1, keepdim=True)
+
     compiled = CompiledDecode(Model(), hidden_size=8, dtype=torch.float32, num_axes=1)
     rows = torch.ones(MAX_ROWS + 1, 8)
     assert compiled.run(rows, torch.arange(MAX_ROWS + 1)) is None
     assert torch.equal(compiled.run(rows[:3], torch.arange(3)), rows[:3] * 2)
     assert compiled.steps == 1
+    assert torch.equal(compiled.compute_logits(rows), rows.sum(-1, keepdim=True))  # eager
+    assert torch.equal(compiled.compute_logits(rows[:2]), rows[:2].sum(-1, keepdim=True))
+
+
+def test_the_small_batch_reduction_is_a_linear_layer():
+    from foveal.layers.linear import small_batch_linear
+
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(3, 40), torch.randn(24, 40), torch.randn(24)
+    torch.testing.assert_close(small_batch_linear(x, weight, bias), F.linear(x, weight, bias))
+    half = small_batch_linear(x.bfloat16(), weight.bfloat16())
+    assert half.dtype == torch.bfloat16 and half.shape == (3, 24)
+    torch.testing.assert_close(half.float(), F.linear(x.bfloat16().float(), weight.bfloat16().float()),
+                               atol=0.05, rtol=0.02)
