@@ -209,18 +209,19 @@ def _out_features(layer: nn.Module) -> int:
 
 
 def _compiled_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    """Under torch.compile: x (T, K), T <= 4. For one row, a dense float weight becomes
+    """Under torch.compile: x (T, K), T <= 4. For one row, a dense fp32 weight becomes
     a reduction Inductor writes itself (small_batch_linear): on a 2-core AMD EPYC it
-    streams the weight 1.2x faster than oneDNN's GEMV in fp32 and 1.4x in bf16
-    (docs/benchmarks.md, "Compiled decode steps"). With 2-4 rows it is no faster than
-    oneDNN's blocked GEMM in fp32 and slower in bf16, so those, FBGEMM's packed int8
-    weights and weights kept only blocked go through `foveal::linear`; int8 weights on
-    the exact kernel are traced as they are (their activation quantization and rescale
-    fuse around ATen's int8 GEMM)."""
+    streams the weight ~1.2x faster than oneDNN's GEMV, and the whole decode step runs
+    0.85x the time it takes with oneDNN behind the op (docs/benchmarks.md, "Compiled
+    decode steps"). bf16 weights (with the norm fused into the loop, the reduction is
+    no faster there), steps of 2-4 rows (no faster than oneDNN's blocked GEMM), FBGEMM's
+    packed int8 weights and weights kept only blocked go through `foveal::linear`;
+    int8 weights on the exact kernel are traced as they are (their activation
+    quantization and rescale fuse around ATen's int8 GEMM)."""
     int8 = getattr(layer, "int8_weight", None) is not None
     if int8 and getattr(layer, "int8_fbgemm", None) is None:
         return int8_linear(x, layer.int8_weight, layer.int8_scale, bias)
-    if x.shape[0] == 1 and not int8 and layer.weight.numel():
+    if x.shape[0] == 1 and not int8 and layer.weight.dtype == torch.float32 and layer.weight.numel():
         return small_batch_linear(x, layer.weight, bias)
     if not hasattr(layer, "compile_key"):
         raise RuntimeError("a linear layer without a compile key inside torch.compile")
@@ -285,7 +286,7 @@ def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
     has bf16 dot products. The dense weight of a linear layer is released, since
     only forward() reads it; a tied LM head keeps it (the embedding shares it).
     For inference only: weight loading and export need the dense layout.
-    keep_dense: keep every dense weight too (compiled decode steps read them).
+    keep_dense: keep the dense fp32 weights too (compiled one-token steps read them).
     """
     if not torch.backends.mkldnn.is_available() or linear_layout() == "dense":
         return 0
@@ -300,7 +301,7 @@ def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
         if getattr(module, "int8_weight", None) is not None:  # forward() reads the int8 copy
             continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        if isinstance(module, LinearBase) and not keep_dense:
+        if isinstance(module, LinearBase) and not (keep_dense and weight.dtype == torch.float32):
             module.weight.data = torch.empty(0, dtype=weight.dtype)
         count += 1
     return count
