@@ -213,9 +213,10 @@ def _compiled_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | Non
     a reduction Inductor writes itself (small_batch_linear): on a 2-core AMD EPYC it
     streams the weight ~1.2x faster than oneDNN's GEMV, and the whole decode step runs
     0.85x the time it takes with oneDNN behind the op (docs/benchmarks.md, "Compiled
-    decode steps"). bf16 weights (with the norm fused into the loop, the reduction is
-    no faster there), steps of 2-4 rows (no faster than oneDNN's blocked GEMM), FBGEMM's
-    packed int8 weights and weights kept only blocked go through `foveal::linear`;
+    decode steps"). bf16 weights (in a step the reduction ran 0.94-1.0x eager, oneDNN
+    behind the op 0.85-0.91x), steps of 2-4 rows (no faster than oneDNN's blocked
+    GEMM), FBGEMM's packed int8 weights and weights kept only blocked go through
+    `foveal::linear`;
     int8 weights on the exact kernel are traced as they are (their activation
     quantization and rescale fuse around ATen's int8 GEMM)."""
     int8 = getattr(layer, "int8_weight", None) is not None

@@ -105,13 +105,15 @@ class ModelRunner:
         if engine_config.compile_decode:
             why_not = compile_applies(engine_config, draft_head is not None)
             if why_not is None:
-                self.compiled_decode = CompiledDecode(
+                compiled = CompiledDecode(
                     model, engine_config.model.text.hidden_size, torch_dtype(engine_config.dtype),
                     self.position_rule.num_axes)
-                self.compiled_decode.warm_up(kv_caches.by_layer[0])
-                self.sampling.compute_logits = self.compiled_decode.compute_logits
-            else:
-                logger.info("decode steps are not compiled: %s", why_not)
+                why_not = compiled.warm_up(kv_caches.by_layer[0])
+                if why_not is None:
+                    self.compiled_decode = compiled
+                    self.sampling.compute_logits = compiled.compute_logits
+            if why_not is not None:
+                logger.warning("decode steps run eagerly, not compiled: %s", why_not)
         self.drafter = None
         if draft_head is not None:
             self.drafter = EagleProposer(

@@ -8,24 +8,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 from foveal import LLM, SamplingParams
 from foveal.config import EngineConfig, ModelConfig
 from foveal.worker.compiled_decode import MAX_ROWS, CompiledDecode, compile_applies
+from tests.models.test_gemma3_engine import _image, _user
 
 MAX_TOKENS = 6
-
-
-def _image(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def _user(text: str, images=()) -> list[dict]:
-    parts = [{"type": "image_pil", "image_pil": image} for image in images]
-    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
-
 
 CONVERSATIONS = [
     _user("Describe this picture in detail.", [_image(84, 56, 1)]),
@@ -121,11 +110,8 @@ def test_where_decode_steps_are_not_compiled(tiny_checkpoints):
 
 
 def test_more_rows_than_the_graph_takes_run_eagerly():
-    calls = []
-
     class Model(torch.nn.Module):
         def forward(self, inputs_embeds, positions):
-            calls.append(inputs_embeds.shape[0])
             return inputs_embeds * 2
 
         def compute_logits(self, hidden_states):
@@ -150,3 +136,18 @@ def test_the_small_batch_reduction_is_a_linear_layer():
     assert half.dtype == torch.bfloat16 and half.shape == (3, 24)
     torch.testing.assert_close(half.float(), F.linear(x.bfloat16().float(), weight.bfloat16().float()),
                                atol=0.05, rtol=0.02)
+
+
+def test_a_model_that_does_not_compile_runs_eagerly():
+    class HostBranch(torch.nn.Module):
+        def forward(self, inputs_embeds, positions):
+            if inputs_embeds.sum().item() > 0:  # a host-side branch: no full graph
+                return inputs_embeds
+            return -inputs_embeds
+
+        def compute_logits(self, hidden_states):
+            return hidden_states
+
+    compiled = CompiledDecode(HostBranch(), hidden_size=8, dtype=torch.float32, num_axes=1)
+    why_not = compiled.warm_up([])
+    assert why_not is not None and why_not.split(":")[0].endswith(("Unsupported", "Error"))
