@@ -45,6 +45,7 @@ def main() -> None:
     from foveal.cpu_features import cpu_features
     from foveal.layers.linear import packs_bf16, small_batch_linear
     from foveal.layers.quantization import int8_kernel, int8_linear, pack_fbgemm, quantize_int8
+    from foveal.worker.compiled_decode import MAX_ROWS
 
     print(cpu_features().describe(), f"{torch.get_num_threads()} threads; "
           f"--quantization int8 runs the {int8_kernel()} kernel here")
@@ -71,10 +72,10 @@ def main() -> None:
         dynamic = median_ms(lambda q: int8_linear(x, q[0], q[1], None, q[2]), fbgemm)
         line = (f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {half:>15.2f} {exact:>14.2f} "
                 f"{dynamic:>15.2f}")
-        if compiled is not None and rows <= 4:
-            if rows > 1:  # as compiled_decode.py: one graph for 2-4 rows
-                torch._dynamo.mark_dynamic(x, 0, min=2, max=4)
-                torch._dynamo.mark_dynamic(x_bf16, 0, min=2, max=4)
+        if compiled is not None and rows <= MAX_ROWS:
+            if rows > 1:  # as compiled_decode.py: one graph for 2..MAX_ROWS rows
+                torch._dynamo.mark_dynamic(x, 0, min=2, max=MAX_ROWS)
+                torch._dynamo.mark_dynamic(x_bf16, 0, min=2, max=MAX_ROWS)
             line += (f" {median_ms(lambda w: compiled(x, w), weights):>12.2f}"
                      f" {median_ms(lambda w: compiled(x_bf16, w), weights_bf16):>17.2f}")
         print(line)

@@ -6,9 +6,7 @@ never mention ranks; tp_size=1 is the same code path.
 """
 from __future__ import annotations
 
-import itertools
 import os
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +14,7 @@ from torch import nn
 
 from foveal.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
 from foveal.errors import CheckpointError, ConfigError
+from foveal.layers.op_registry import module_by_key, register_module
 from foveal.layers.quantization import int8_linear
 
 
@@ -184,22 +183,17 @@ def _eager_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) 
     return F.linear(x, layer.weight, bias)
 
 
-# Layers by key, for the `foveal::linear` op a compiled forward calls.
-_LINEARS: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
-
-
 @torch.library.custom_op("foveal::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, layer: int, with_bias: bool) -> torch.Tensor:
     """A layer's eager linear (int8 FBGEMM, oneDNN-blocked) as an op a compiled graph
     calls without tracing into."""
-    module = _LINEARS[layer]
+    module = module_by_key(layer)
     return _eager_linear(x.contiguous(), module, module.bias if with_bias else None)
 
 
 @_linear_op.register_fake
 def _(x: torch.Tensor, layer: int, with_bias: bool) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _out_features(_LINEARS[layer]))
+    return x.new_empty(*x.shape[:-1], _out_features(module_by_key(layer)))
 
 
 def _out_features(layer: nn.Module) -> int:
@@ -216,9 +210,8 @@ def _compiled_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | Non
     decode steps"). bf16 weights (in a step the reduction ran 0.94-1.0x eager, oneDNN
     behind the op 0.85-0.91x), steps of 2-4 rows (no faster than oneDNN's blocked
     GEMM), FBGEMM's packed int8 weights and weights kept only blocked go through
-    `foveal::linear`;
-    int8 weights on the exact kernel are traced as they are (their activation
-    quantization and rescale fuse around ATen's int8 GEMM)."""
+    `foveal::linear`; int8 weights on the exact kernel are traced as they are (their
+    activation quantization and rescale fuse around ATen's int8 GEMM)."""
     int8 = getattr(layer, "int8_weight", None) is not None
     if int8 and getattr(layer, "int8_fbgemm", None) is None:
         return int8_linear(x, layer.int8_weight, layer.int8_scale, bias)
@@ -246,8 +239,7 @@ def register_compiled_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if hasattr(module, "packed_weight") and not hasattr(module, "compile_key"):
-            module.compile_key = next(_KEYS)
-            _LINEARS[module.compile_key] = module
+            module.compile_key = register_module(module)
             count += 1
     return count
 

@@ -21,9 +21,8 @@ ones: their weight memory doubles.
 Two graphs per engine: one for a single token, one for 2..MAX_ROWS tokens (a
 dynamic row count); the same two for the LM head of the sampled rows. They compile
 at start (`warm_up`): ~15-70 s on 2 cores the first time, a few seconds once
-Inductor's on-disk cache holds them. Tokens equal the eager
-engine's up to fp32 summation order (the parity tests in
-tests/unit/test_compiled_decode.py compare them).
+Inductor's on-disk cache holds them. Tokens equal the eager engine's up to fp32
+summation order (the parity tests in tests/unit/test_compiled_decode.py compare them).
 """
 from __future__ import annotations
 
@@ -62,6 +61,19 @@ def compile_applies(config: EngineConfig, has_draft_head: bool) -> str | None:
     return None
 
 
+def _fits_graph(*row_dims: tuple[torch.Tensor, int]) -> bool:
+    """Whether a step's rows (the given dim of each tensor, all equal) fit the graphs;
+    2..MAX_ROWS rows are marked dynamic, so they share the second graph."""
+    first, dim = row_dims[0]
+    rows = first.shape[dim]
+    if rows > MAX_ROWS:
+        return False
+    if rows > 1:
+        for tensor, dim in row_dims:
+            torch._dynamo.mark_dynamic(tensor, dim, min=2, max=MAX_ROWS)
+    return True
+
+
 class CompiledDecode:
     def __init__(self, model: torch.nn.Module, hidden_size: int, dtype: torch.dtype,
                  num_axes: int) -> None:
@@ -85,22 +97,15 @@ class CompiledDecode:
     def run(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The decoder's hidden states (T, hidden) of a step of T <= MAX_ROWS tokens,
         inside the caller's forward context; None for larger steps."""
-        rows = inputs_embeds.shape[0]
-        if rows > MAX_ROWS:
+        if not _fits_graph((inputs_embeds, 0), (positions, positions.dim() - 1)):
             return None
-        if rows > 1:
-            torch._dynamo.mark_dynamic(inputs_embeds, 0, min=2, max=MAX_ROWS)
-            torch._dynamo.mark_dynamic(positions, positions.dim() - 1, min=2, max=MAX_ROWS)
         self.steps += 1
         return self.forward(inputs_embeds, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits, through a graph for N <= MAX_ROWS."""
-        rows = hidden_states.shape[0]
-        if rows > MAX_ROWS:
+        if not _fits_graph((hidden_states, 0)):
             return self.eager_logits(hidden_states)
-        if rows > 1:
-            torch._dynamo.mark_dynamic(hidden_states, 0, min=2, max=MAX_ROWS)
         return self.compiled_logits(hidden_states)
 
     @torch.inference_mode()

@@ -17,9 +17,9 @@ from foveal.engine.plan import ModelRunnerOutput, StepPlan
 from foveal.errors import EngineDeadError
 from foveal.layers.attention.kv_spec import KVCacheSpec
 from foveal.layers.linear import prepack_weights
-from foveal.worker.compiled_decode import compile_applies
 from foveal.layers.quantization import quantize_weights
 from foveal.multimodal.inputs import MMFeature
+from foveal.worker.compiled_decode import compile_applies
 from foveal.worker.device import torch_dtype
 from foveal.worker.encoder_runner import EncoderCache
 from foveal.worker.kv_cache import available_kv_memory, kv_cache_spec

@@ -1,17 +1,11 @@
 """The decoder attention layer: paged KV cache, backend chosen by device."""
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 from torch import nn
 
 from foveal.forward_context import get_forward_context
-
-# Attention layers by key, for the `foveal::attention` op a compiled forward calls.
-_LAYERS: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
+from foveal.layers.op_registry import module_by_key, register_module
 
 
 @torch.library.custom_op("foveal::attention", mutates_args=())
@@ -20,7 +14,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int)
     layer reads its KV cache and the batch layout from the forward context, and
     writes the new K/V into the cache (a side effect the graph does not see; nothing
     else in the forward reads the cache)."""
-    return _LAYERS[layer].attend(q.contiguous(), k.contiguous(), v.contiguous())
+    return module_by_key(layer).attend(q.contiguous(), k.contiguous(), v.contiguous())
 
 
 @_attention_op.register_fake
@@ -49,8 +43,7 @@ class Attention(nn.Module):
         self._backends: dict[str, object] = {}
         # Per-head (k, v) scales a checkpoint gives for fp8 KV; None: computed per token.
         self.static_kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.key = next(_KEYS)
-        _LAYERS[self.key] = self
+        self.key = register_module(self)  # for foveal::attention
 
     def _backend(self, device_type: str):
         if device_type not in self._backends:
