@@ -4,16 +4,24 @@ state: one 448x448 image request, greedy, EOS ignored; the median time per outpu
 token of each, and their ratio.
 
     python scripts/bench_compiled_decode.py MODEL_DIR [--dtype bfloat16] [--quantization int8]
+        [--compare eager|native] [--rows N]
+
+--compare native: both engines compiled, one with the library GEMV / Inductor
+reductions (built with FOVEAL_NATIVE_KERNELS=0: its layers are marked so), one
+with the native decode kernels (foveal/kernels). --rows N: N requests decode
+together. (Eager int8 steps of up to 4 rows use the native kernel in both.)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import numpy as np
 from PIL import Image
 
 from foveal import LLM, SamplingParams
+from foveal.kernels import native
 
 
 def main() -> None:
@@ -23,32 +31,55 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=33)
+    parser.add_argument("--compare", choices=("eager", "native"), default="eager")
+    parser.add_argument("--rows", type=int, default=1)
     args = parser.parse_args()
-    options = dict(max_model_len=2048, kv_cache_memory_bytes=1 << 29, max_num_seqs=1,
+    options = dict(max_model_len=2048, kv_cache_memory_bytes=1 << 29, max_num_seqs=args.rows,
                    dtype=args.dtype, quantization=args.quantization)
-    engines = {"eager": LLM(model=args.model, **options),
-               "compiled": LLM(model=args.model, compile_decode=True, **options)}
+    if args.compare == "eager":
+        engines = {"eager": LLM(model=args.model, **options),
+                   "compiled": LLM(model=args.model, compile_decode=True, **options)}
+    else:
+        engines = {"library": _with_native(False, lambda: LLM(model=args.model, compile_decode=True, **options)),
+                   "native": _with_native(True, lambda: LLM(model=args.model, compile_decode=True, **options))}
+    base, new = engines
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (448, 448, 3), dtype=np.uint8))
-    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
-                                             {"type": "text", "text": "Describe the picture."}]}]
+    messages = [[{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                              {"type": "text", "text": f"Describe the picture {i}."}]}]
+                for i in range(args.rows)]
     greedy = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)  # noqa: E731
     tokens = {}
     for llm in engines.values():
-        tokens[llm] = llm.chat(messages, greedy(args.tokens), use_tqdm=False)[0].outputs[0].token_ids
-    same = len({tuple(t) for t in tokens.values()}) == 1
+        tokens[llm] = [out.outputs[0].token_ids
+                       for out in llm.chat(messages, greedy(args.tokens), use_tqdm=False)]
+    same = len({tuple(map(tuple, t)) for t in tokens.values()}) == 1
     tpot: dict[str, list[float]] = {name: [] for name in engines}
     for round_ in range(args.rounds):
         order = list(engines.items()) if round_ % 2 == 0 else list(engines.items())[::-1]
         for name, llm in order:
-            metrics = llm.chat(messages, greedy(args.tokens), use_tqdm=False)[0].metrics
-            tpot[name].append((metrics.last_token_time - metrics.first_token_time) * 1000
-                              / (args.tokens - 1))
-    label = args.dtype + (f" {args.quantization}" if args.quantization else "")
+            outputs = llm.chat(messages, greedy(args.tokens), use_tqdm=False)
+            first = max(out.metrics.first_token_time for out in outputs)
+            last = max(out.metrics.last_token_time for out in outputs)
+            tpot[name].append((last - first) * 1000 / (args.tokens - 1))
+    label = args.dtype + (f" {args.quantization}" if args.quantization else "") + f", {args.rows} row(s)"
     for name, values in tpot.items():
         print(f"{label} {name}: TPOT median {statistics.median(values):.1f} ms "
               f"({', '.join(f'{v:.1f}' for v in values)})")
-    ratio = statistics.median(tpot["compiled"]) / statistics.median(tpot["eager"])
-    print(f"{label} compiled / eager: {ratio:.3f}; same greedy tokens: {same}")
+    ratio = statistics.median(tpot[new]) / statistics.median(tpot[base])
+    print(f"{label} {new} / {base}: {ratio:.3f}; same greedy tokens: {same}")
+
+
+def _with_native(enabled: bool, build):
+    """An engine built and traced with the native decode kernels on or off."""
+    previous = os.environ.get("FOVEAL_NATIVE_KERNELS")
+    os.environ["FOVEAL_NATIVE_KERNELS"] = "1" if enabled else "0"
+    native.native_kernels.cache_clear()
+    try:
+        return build()
+    finally:
+        os.environ.pop("FOVEAL_NATIVE_KERNELS") if previous is None else \
+            os.environ.__setitem__("FOVEAL_NATIVE_KERNELS", previous)
+        native.native_kernels.cache_clear()  # the native engine's ops call it at run time
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from torch import nn
 
 from foveal.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
 from foveal.errors import CheckpointError, ConfigError
+from foveal.kernels.native import native_kernels
 from foveal.layers.op_registry import module_by_key, register_module
 from foveal.layers.quantization import int8_linear
 
@@ -203,23 +204,50 @@ def _out_features(layer: nn.Module) -> int:
 
 
 def _compiled_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    """Under torch.compile: x (T, K), T <= 4. For one row, a dense fp32 weight becomes
-    a reduction Inductor writes itself (small_batch_linear): on a 2-core AMD EPYC it
-    streams the weight ~1.2x faster than oneDNN's GEMV, and the whole decode step runs
-    0.85x the time it takes with oneDNN behind the op (docs/benchmarks.md, "Compiled
-    decode steps"). bf16 weights (in a step the reduction ran 0.94-1.0x eager, oneDNN
-    behind the op 0.85-0.91x), steps of 2-4 rows (no faster than oneDNN's blocked
-    GEMM), FBGEMM's packed int8 weights and weights kept only blocked go through
-    `foveal::linear`; int8 weights on the exact kernel are traced as they are (their
-    activation quantization and rescale fuse around ATen's int8 GEMM)."""
+    """Under torch.compile: x (T, K), T <= 4. A one-row step on a dense fp32 weight is a
+    reduction Inductor writes and fuses with its neighbours (small_batch_linear);
+    2-4 rows on fp32 and any rows on bf16 run the native decode GEMV
+    (`foveal::decode_gemv`, foveal/kernels: each weight row read once for all rows),
+    where those kernels are built. int8 weights on the exact kernel are traced as they
+    are (activation quantization and rescale fuse around the int8 product, the native
+    VNNI kernel where the CPU has it). FBGEMM's packed int8 weights, and the rest where
+    the native kernels are not built, go through `foveal::linear` (measurements in
+    docs/benchmarks.md, "Compiled decode steps" and "Native decode kernels")."""
+    native = getattr(layer, "native_gemv", False)  # set by register_compiled_linears
     int8 = getattr(layer, "int8_weight", None) is not None
     if int8 and getattr(layer, "int8_fbgemm", None) is None:
-        return int8_linear(x, layer.int8_weight, layer.int8_scale, bias)
-    if x.shape[0] == 1 and not int8 and layer.weight.dtype == torch.float32 and layer.weight.numel():
+        return int8_linear(x, layer.int8_weight, layer.int8_scale, bias, native=native)
+    dense = not int8 and layer.weight.numel() > 0
+    fp32 = layer.weight.dtype == torch.float32
+    if dense and fp32 and x.shape[0] == 1:
         return small_batch_linear(x, layer.weight, bias)
+    if dense and (fp32 or layer.weight.dtype == torch.bfloat16) and native:
+        out = torch.ops.foveal.decode_gemv(x.float(), layer.weight)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
     if not hasattr(layer, "compile_key"):
         raise RuntimeError("a linear layer without a compile key inside torch.compile")
     return torch.ops.foveal.linear(x, layer.compile_key, bias is not None)
+
+
+def compiled_reads_dense(dtype: torch.dtype) -> bool:
+    """Whether compiled decode steps read a layer's dense weight of this dtype (the
+    engine then keeps it beside the blocked copy): fp32 always, bf16 through the
+    native kernels."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_kernels() is not None)
+
+
+@torch.library.custom_op("foveal::decode_gemv", mutates_args=())
+def _decode_gemv_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (T, K) float32 times a dense fp32 / bf16 weight (N, K), transposed: (T, N)
+    float32, by the native decode kernel (T <= 4)."""
+    return native_kernels().gemv(x.contiguous(), weight)
+
+
+@_decode_gemv_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -227,7 +255,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
     """x (T, K) W^T + b as a reduction over K with an (N, T) output, written for
     Inductor: under torch.compile each weight row is loaded once and used for all T
     rows, its products summed in fp32 (scripts/bench_linear_kernels.py --compiled times
-    it). Eagerly it is slow."""
+    it). Eagerly it is slow. Compiled steps use it where the native kernels are not built."""
     out = (x.float()[None, :, :] * weight.float()[:, None, :]).sum(-1)  # (N, T)
     if bias is not None:
         out = out + bias.float()[:, None]
@@ -235,11 +263,17 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def register_compiled_linears(model: nn.Module) -> int:
-    """Give every linear layer of `model` a key for `foveal::linear`; returns how many."""
+    """Give every linear layer of `model` a key for `foveal::linear`, and mark whether its
+    compiled steps use the native decode kernels (where they are built; a mark per
+    layer, not a global, so each engine's graphs keep the choice they were traced
+    with); returns how many layers."""
+    kernels = native_kernels()
     count = 0
     for module in model.modules():
         if hasattr(module, "packed_weight") and not hasattr(module, "compile_key"):
             module.compile_key = register_module(module)
+            int8 = getattr(module, "int8_weight", None) is not None
+            module.native_gemv = kernels is not None and (kernels.has_int8 or not int8)
             count += 1
     return count
 
@@ -279,7 +313,7 @@ def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
     has bf16 dot products. The dense weight of a linear layer is released, since
     only forward() reads it; a tied LM head keeps it (the embedding shares it).
     For inference only: weight loading and export need the dense layout.
-    keep_dense: keep the dense fp32 weights too (compiled one-token steps read them).
+    keep_dense: keep the dense fp32 / bf16 weights too (compiled decode steps read them).
     """
     if not torch.backends.mkldnn.is_available() or linear_layout() == "dense":
         return 0
@@ -294,7 +328,7 @@ def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
         if getattr(module, "int8_weight", None) is not None:  # forward() reads the int8 copy
             continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        if isinstance(module, LinearBase) and not (keep_dense and weight.dtype == torch.float32):
+        if isinstance(module, LinearBase) and not (keep_dense and compiled_reads_dense(weight.dtype)):
             module.weight.data = torch.empty(0, dtype=weight.dtype)
         count += 1
     return count

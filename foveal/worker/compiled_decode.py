@@ -10,13 +10,14 @@ With `--compile-decode`, a step of at most `MAX_ROWS` new tokens runs the text
 decoder's forward as one Inductor graph: the elementwise ops fuse into a few loops
 around the weight reads. In a one-token step each fp32 linear layer becomes a
 reduction Inductor writes itself (linear.py `_compiled_linear`), which streams the
-weight faster than oneDNN's GEMV; bf16 layers and steps of 2-4 tokens keep oneDNN's
-blocked GEMM behind the opaque `foveal::linear` op. Attention stays the eager
-backend behind `foveal::attention` (it reads the paged cache and the batch layout
-from the forward context); int8 layers on the exact kernel are traced, FBGEMM's
-behind `foveal::linear`. Larger steps (prefill chunks, larger decode batches) run
-eagerly. For fp32 layers the engine keeps the dense weights beside the blocked
-ones: their weight memory doubles.
+weight faster than oneDNN's GEMV; bf16 layers and fp32 steps of 2-4 tokens run the
+native decode GEMV (foveal/kernels) behind `foveal::decode_gemv`, int8 layers on the
+exact kernel are traced around the native int8 GEMV, FBGEMM's behind
+`foveal::linear`. Attention stays the eager backend behind `foveal::attention` (it
+reads the paged cache and the batch layout from the forward context; a pure decode
+step there is one native call). Larger steps (prefill chunks, larger decode
+batches) run eagerly. For fp32 and bf16 layers the engine keeps the dense weights
+beside the blocked ones: their weight memory doubles.
 
 Two graphs per engine: one for a single token, one for 2..MAX_ROWS tokens (a
 dynamic row count); the same two for the LM head of the sampled rows. They compile

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from foveal.forward_context import AttentionMetadata
+from foveal.kernels.native import native_kernels
 from foveal.layers.attention.blockwise import attend_quantized, write_quantized_kv
 from foveal.layers.attention.kv_quant import codec_for_storage
 from foveal.layers.attention.kv_spec import slot_view
@@ -126,6 +127,17 @@ def _spans(metadata: AttentionMetadata | None, request: int) -> list[tuple[int, 
     return metadata.bidirectional_spans[request]
 
 
+def _native_decode_applies(q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor | None
+                           ) -> bool:
+    """Whether a pure decode step (one query per request) runs the native decode
+    attention (foveal/kernels): the write of the new K/V, the paged gather and the
+    softmax in one call instead of some twenty ops. On a float32 or bfloat16 CPU
+    cache holding the model's dtype, where the kernels are built."""
+    return (kv_cache is not None and kv_cache.numel() > 0 and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.bfloat16)
+            and q.dtype == k.dtype == kv_cache.dtype and native_kernels() is not None)
+
+
 class SdpaBackend:
     layout_key = "sdpa"  # where the step's StepLayout is kept in backend_cache
 
@@ -157,6 +169,11 @@ class SdpaBackend:
         if kv_scales is not None:
             return self._quantized(q, k, v, kv_cache, kv_scales, metadata,
                                    static_scales).view(num_tokens, -1)
+        if metadata.max_query_len == 1 and _native_decode_applies(q, k, kv_cache):
+            return native_kernels().decode_attention(
+                q, k, v, slot_view(kv_cache), metadata.slot_mapping, metadata.block_tables,
+                metadata.block_size, metadata.seq_lens, self.scale,
+                self.sliding_window).view(num_tokens, -1)
         if kv_cache is not None and kv_cache.numel() > 0:
             self._write(kv_cache, k, v, metadata.slot_mapping)
         layout = metadata.backend_cache.get(self.layout_key)

@@ -1,0 +1,357 @@
+/* Matrix-vector products of decode steps: y (T, N) = x (T, K) W^T for T <= 4 rows,
+ * W (N, K) row-major in float32, bfloat16 or int8. Built at first use with the
+ * machine's C compiler for the CPU it runs on (foveal/kernels/native.py).
+ *
+ * A decode step reads every weight once and does two flops per weight byte or
+ * less, so these loops are bound by memory bandwidth. Two things make them
+ * faster than the library GEMV or an Inductor reduction here:
+ *  - each weight row is read once for all T rows, with several independent
+ *    accumulators per row;
+ *  - the weight stream is prefetched with the non-temporal hint, so it does
+ *    not evict what the rest of the step reads (the KV cache, activations):
+ *    the attention that follows a layer's weights finds its keys in cache.
+ *
+ * The int8 kernel is exact: int8 x int8 products summed in int32 with AVX-512
+ * VNNI (x is offset to unsigned and the offset's sum subtracted per row), so its
+ * result equals any other exact int8 GEMM's bit for bit.
+ *
+ * Threads: OpenMP over blocks of weight rows, in the process's OpenMP runtime
+ * (the one torch loaded; same soname), so they share torch's thread pool.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_ROWS 4
+/* How far ahead of the loads the weight stream is prefetched, in bytes. */
+#define PREFETCH_BYTES 2048
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ISA 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA 256
+#else
+#define ISA 0
+#endif
+
+int foveal_isa(void) { return ISA; }
+
+int foveal_has_int8(void) {
+#if ISA == 512 && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline void prefetch_nta(const void* p) {
+#if ISA
+    _mm_prefetch((const char*)p, _MM_HINT_NTA);
+#else
+    (void)p;
+#endif
+}
+
+/* ---------------------------------------------------------------- float32 / bf16 */
+
+#if ISA == 512
+typedef __m512 vec;
+#define LANES 16
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vload_bf16(const uint16_t* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#elif ISA == 256
+typedef __m256 vec;
+#define LANES 8
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vload_bf16(const uint16_t* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* One weight row against T input rows: WLOAD reads LANES weights at an element
+ * offset, WSCALAR one weight. Four accumulators per input row hide the FMA latency. */
+#if ISA
+#define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
+    static inline __attribute__((always_inline)) void NAME(const WTYPE* w, int64_t K, const float* x, int64_t T,           \
+                            float* out) {                                                   \
+        vec acc[MAX_ROWS][4];                                                               \
+        for (int64_t t = 0; t < T; t++)                                                     \
+            for (int u = 0; u < 4; u++) acc[t][u] = vzero();                                \
+        int64_t k = 0;                                                                      \
+        for (; k + 4 * LANES <= K; k += 4 * LANES) {                                        \
+            for (int64_t b = 0; b < 4 * LANES * (ELEM_BYTES); b += 64)                      \
+                prefetch_nta((const char*)(w + k) + PREFETCH_BYTES + b);                    \
+            vec w0 = WLOAD(w + k), w1 = WLOAD(w + k + LANES);                               \
+            vec w2 = WLOAD(w + k + 2 * LANES), w3 = WLOAD(w + k + 3 * LANES);               \
+            for (int64_t t = 0; t < T; t++) {                                               \
+                const float* xt = x + t * K + k;                                            \
+                acc[t][0] = vfma(w0, vload_f32(xt), acc[t][0]);                             \
+                acc[t][1] = vfma(w1, vload_f32(xt + LANES), acc[t][1]);                     \
+                acc[t][2] = vfma(w2, vload_f32(xt + 2 * LANES), acc[t][2]);                 \
+                acc[t][3] = vfma(w3, vload_f32(xt + 3 * LANES), acc[t][3]);                 \
+            }                                                                               \
+        }                                                                                   \
+        for (; k + LANES <= K; k += LANES) {                                                \
+            vec w0 = WLOAD(w + k);                                                          \
+            for (int64_t t = 0; t < T; t++)                                                 \
+                acc[t][0] = vfma(w0, vload_f32(x + t * K + k), acc[t][0]);                  \
+        }                                                                                   \
+        for (int64_t t = 0; t < T; t++) {                                                   \
+            float s = vsum(acc[t][0]) + vsum(acc[t][1]) + vsum(acc[t][2]) + vsum(acc[t][3]); \
+            for (int64_t r = k; r < K; r++) s += WSCALAR(w[r]) * x[t * K + r];              \
+            out[t] = s;                                                                     \
+        }                                                                                   \
+    }
+#else
+#define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
+    static inline __attribute__((always_inline)) void NAME(const WTYPE* w, int64_t K, const float* x, int64_t T,           \
+                            float* out) {                                                   \
+        for (int64_t t = 0; t < T; t++) {                                                   \
+            float s = 0.0f;                                                                 \
+            for (int64_t r = 0; r < K; r++) s += WSCALAR(w[r]) * x[t * K + r];              \
+            out[t] = s;                                                                     \
+        }                                                                                   \
+    }
+#endif
+
+#define IDENTITY(v) (v)
+ROW_KERNEL(row_f32, float, vload_f32, IDENTITY, 4)
+ROW_KERNEL(row_bf16, uint16_t, vload_bf16, bf16_to_float, 2)
+
+/* Rows are handed to threads in blocks so each thread streams one contiguous range. */
+#define ROW_BLOCK 16
+
+/* The row kernels inlined with a constant row count, so their accumulators stay in
+ * registers (with a variable count the compiler keeps them in memory: ~15% slower). */
+#define CALL_ROWS(ROW, w, K, x, T, out)                 \
+    switch (T) {                                        \
+        case 1: ROW(w, K, x, 1, out); break;            \
+        case 2: ROW(w, K, x, 2, out); break;            \
+        case 3: ROW(w, K, x, 3, out); break;            \
+        default: ROW(w, K, x, 4, out); break;           \
+    }
+
+#define GEMV(NAME, WTYPE, ROW)                                                              \
+    void NAME(const WTYPE* w, int64_t N, int64_t K, const float* x, int64_t T, float* y) {  \
+        int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;                                   \
+        _Pragma("omp parallel for schedule(static)")                                        \
+        for (int64_t block = 0; block < blocks; block++) {                                  \
+            int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;         \
+            for (int64_t n = block * ROW_BLOCK; n < end; n++) {                             \
+                float out[MAX_ROWS];                                                        \
+                CALL_ROWS(ROW, w + n * K, K, x, T, out)                                     \
+                for (int64_t t = 0; t < T; t++) y[t * N + n] = out[t];                      \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+/* y (T, N) float32 = x (T, K) float32 times W (N, K) float32, transposed. */
+GEMV(foveal_gemv_f32, float, row_f32)
+/* The same with W in bfloat16 (raw 16-bit words); x stays float32. */
+GEMV(foveal_gemv_bf16, uint16_t, row_bf16)
+
+/* ---------------------------------------------------------------- int8 (exact) */
+
+#if ISA == 512 && defined(__AVX512VNNI__)
+static inline __attribute__((always_inline)) void row_s8(const int8_t* w, int64_t K, const uint8_t* xu, int64_t T,
+                          int32_t* out) {
+    __m512i acc[MAX_ROWS][2], off[2];
+    const __m512i offset = _mm512_set1_epi8((char)0x80);  /* 128 as an unsigned byte */
+    for (int u = 0; u < 2; u++) {
+        off[u] = _mm512_setzero_si512();
+        for (int64_t t = 0; t < T; t++) acc[t][u] = _mm512_setzero_si512();
+    }
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128) {
+        prefetch_nta(w + k + PREFETCH_BYTES);
+        prefetch_nta(w + k + PREFETCH_BYTES + 64);
+        __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 64);
+        off[0] = _mm512_dpbusd_epi32(off[0], offset, w0);
+        off[1] = _mm512_dpbusd_epi32(off[1], offset, w1);
+        for (int64_t t = 0; t < T; t++) {
+            const uint8_t* xt = xu + t * K + k;
+            acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], _mm512_loadu_si512(xt), w0);
+            acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], _mm512_loadu_si512(xt + 64), w1);
+        }
+    }
+    for (; k < K; k += 64) {  /* masked tail: absent bytes load as 0 on both sides */
+        __mmask64 mask = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        __m512i w0 = _mm512_maskz_loadu_epi8(mask, w + k);
+        off[0] = _mm512_dpbusd_epi32(off[0], offset, w0);
+        for (int64_t t = 0; t < T; t++)
+            acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], _mm512_maskz_loadu_epi8(mask, xu + t * K + k),
+                                            w0);
+    }
+    int32_t correction = _mm512_reduce_add_epi32(_mm512_add_epi32(off[0], off[1]));
+    for (int64_t t = 0; t < T; t++)
+        out[t] = _mm512_reduce_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1])) - correction;
+}
+
+/* y (T, N) int32 = xq (T, K) int8 times W (N, K) int8, transposed, exactly. */
+int foveal_gemv_s8(const int8_t* w, int64_t N, int64_t K, const int8_t* xq, int64_t T,
+                   int32_t* y) {
+    uint8_t* xu = (uint8_t*)malloc((size_t)(T * K));
+    if (!xu) return 1;
+    for (int64_t i = 0; i < T * K; i++) xu[i] = (uint8_t)(xq[i] + 128);
+    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
+        for (int64_t n = block * ROW_BLOCK; n < end; n++) {
+            int32_t out[MAX_ROWS];
+            CALL_ROWS(row_s8, w + n * K, K, xu, T, out)
+            for (int64_t t = 0; t < T; t++) y[t * N + n] = out[t];
+        }
+    }
+    free(xu);
+    return 0;
+}
+#else
+int foveal_gemv_s8(const int8_t* w, int64_t N, int64_t K, const int8_t* xq, int64_t T,
+                   int32_t* y) {
+    (void)w; (void)N; (void)K; (void)xq; (void)T; (void)y;
+    return 2;  /* not built for this CPU: foveal_has_int8() is 0 */
+}
+#endif
+
+/* ---------------------------------------------------------------- decode attention */
+
+/* One new token per request (a pure decode step) over its paged context, with the
+ * new K/V written into the cache first. q (B, H, D); k_new / v_new (B, Hkv, D); the
+ * caches (num_slots, Hkv, D), slot s = block_tables[b][p / block_size] * block_size
+ * + p % block_size for context position p; seq_lens (B,) context lengths after the
+ * step. Query heads h * G .. h * G + G - 1 share KV head h (G = H / Hkv). window > 0:
+ * only the last `window` positions are seen. Online softmax in float32 over chunks
+ * of keys, each key read once for the G heads that share it; OpenMP over (request,
+ * KV head). out (B, H, D) in the cache's dtype. */
+
+#define KEY_CHUNK 32
+
+static inline float load_f32(const float* p) { return *p; }
+static inline void store_f32(float* p, float v) { *p = v; }
+static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+static inline void store_bf16(uint16_t* p, float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);  /* round to nearest even (finite values) */
+    *p = (uint16_t)(bits >> 16);
+}
+
+#if ISA
+#define VEC_DOT(NAME, T, VLOAD, SLOAD)                                                      \
+    static inline float NAME(const float* a, const T* b, int64_t D) {                       \
+        vec acc = vzero();                                                                  \
+        int64_t d = 0;                                                                      \
+        for (; d + LANES <= D; d += LANES) acc = vfma(vload_f32(a + d), VLOAD(b + d), acc); \
+        float s = vsum(acc);                                                                \
+        for (; d < D; d++) s += a[d] * SLOAD(b + d);                                        \
+        return s;                                                                           \
+    }
+#else
+#define VEC_DOT(NAME, T, VLOAD, SLOAD)                                                      \
+    static inline float NAME(const float* a, const T* b, int64_t D) {                       \
+        float s = 0.0f;                                                                     \
+        for (int64_t d = 0; d < D; d++) s += a[d] * SLOAD(b + d);                           \
+        return s;                                                                           \
+    }
+#endif
+VEC_DOT(dot_f32, float, vload_f32, load_f32)
+VEC_DOT(dot_bf16, uint16_t, vload_bf16, load_bf16)
+
+#define DECODE_ATTENTION(NAME, T, DOT, SLOAD, SSTORE)                                        \
+    void NAME(const T* q, const T* k_new, const T* v_new, T* k_cache, T* v_cache,            \
+              const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks,     \
+              int64_t block_size, const int32_t* seq_lens, int64_t B, int64_t H,             \
+              int64_t Hkv, int64_t D, float scale, int64_t window, T* out) {                 \
+        const int64_t row = Hkv * D, G = H / Hkv;                                            \
+        for (int64_t b = 0; b < B; b++) {                                                    \
+            memcpy(k_cache + new_slots[b] * row, k_new + b * row, (size_t)row * sizeof(T));  \
+            memcpy(v_cache + new_slots[b] * row, v_new + b * row, (size_t)row * sizeof(T));  \
+        }                                                                                    \
+        _Pragma("omp parallel for schedule(static)")                                         \
+        for (int64_t item = 0; item < B * Hkv; item++) {                                     \
+            const int64_t b = item / Hkv, h = item % Hkv;                                    \
+            const int64_t len = seq_lens[b];                                                 \
+            const int64_t first = window > 0 && len > window ? len - window : 0;             \
+            const int32_t* table = block_tables + b * max_blocks;                            \
+            float* qf = (float*)malloc(sizeof(float) * (size_t)(2 * G * D + G * (KEY_CHUNK + 2))); \
+            float *acc = qf + G * D, *m = acc + G * D, *l = m + G, *p = l + G;               \
+            for (int64_t g = 0; g < G; g++) {                                                \
+                const T* qg = q + (b * H + h * G + g) * D;                                   \
+                for (int64_t d = 0; d < D; d++) qf[g * D + d] = SLOAD(qg + d);               \
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] = 0.0f;                       \
+                m[g] = -INFINITY;                                                            \
+                l[g] = 0.0f;                                                                 \
+            }                                                                                \
+            for (int64_t j0 = first; j0 < len; j0 += KEY_CHUNK) {                            \
+                const int64_t n = len - j0 < KEY_CHUNK ? len - j0 : KEY_CHUNK;               \
+                const T* keys[KEY_CHUNK];                                                    \
+                const T* values[KEY_CHUNK];                                                  \
+                for (int64_t j = 0; j < n; j++) {                                            \
+                    const int64_t pos = j0 + j;                                              \
+                    const int64_t slot = (int64_t)table[pos / block_size] * block_size       \
+                                         + pos % block_size;                                 \
+                    keys[j] = k_cache + slot * row + h * D;                                  \
+                    values[j] = v_cache + slot * row + h * D;                                \
+                }                                                                            \
+                for (int64_t g = 0; g < G; g++) {                                            \
+                    float* s = p + g * KEY_CHUNK;                                            \
+                    float top = m[g];                                                        \
+                    for (int64_t j = 0; j < n; j++) {                                        \
+                        s[j] = DOT(qf + g * D, keys[j], D) * scale;                          \
+                        top = s[j] > top ? s[j] : top;                                       \
+                    }                                                                        \
+                    const float rescale = m[g] == -INFINITY ? 0.0f : expf(m[g] - top);       \
+                    float sum = 0.0f;                                                        \
+                    for (int64_t j = 0; j < n; j++) {                                        \
+                        s[j] = expf(s[j] - top);                                             \
+                        sum += s[j];                                                         \
+                    }                                                                        \
+                    l[g] = l[g] * rescale + sum;                                             \
+                    m[g] = top;                                                              \
+                    float* a = acc + g * D;                                                  \
+                    for (int64_t d = 0; d < D; d++) a[d] *= rescale;                         \
+                    for (int64_t j = 0; j < n; j++) {                                        \
+                        const T* v = values[j];                                              \
+                        const float w = s[j];                                                \
+                        for (int64_t d = 0; d < D; d++) a[d] += w * SLOAD(v + d);            \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t g = 0; g < G; g++) {                                                \
+                T* o = out + (b * H + h * G + g) * D;                                        \
+                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;                          \
+                for (int64_t d = 0; d < D; d++) SSTORE(o + d, acc[g * D + d] * inv);         \
+            }                                                                                \
+            free(qf);                                                                        \
+        }                                                                                    \
+    }
+
+DECODE_ATTENTION(foveal_decode_attention_f32, float, dot_f32, load_f32, store_f32)
+DECODE_ATTENTION(foveal_decode_attention_bf16, uint16_t, dot_bf16, load_bf16, store_bf16)
