@@ -4,12 +4,13 @@ state: one 448x448 image request, greedy, EOS ignored; the median time per outpu
 token of each, and their ratio.
 
     python scripts/bench_compiled_decode.py MODEL_DIR [--dtype bfloat16] [--quantization int8]
-        [--compare eager|native] [--rows N]
+        [--compare eager|native|native-eager] [--rows N]
 
---compare native: both engines compiled, one with the library GEMV / Inductor
-reductions (built with FOVEAL_NATIVE_KERNELS=0: its layers are marked so), one
-with the native decode kernels (foveal/kernels). --rows N: N requests decode
-together. (Eager int8 steps of up to 4 rows use the native kernel in both.)
+--compare native: both engines compiled, one built with FOVEAL_NATIVE_KERNELS=0
+(library GEMV / Inductor reductions, torch's attention ops; the choice is made
+per layer when the engine is built), one with the native decode kernels
+(foveal/kernels); native-eager: the same pair without --compile-decode. --rows N:
+N requests decode together.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=33)
-    parser.add_argument("--compare", choices=("eager", "native"), default="eager")
+    parser.add_argument("--compare", choices=("eager", "native", "native-eager"), default="eager")
     parser.add_argument("--rows", type=int, default=1)
     args = parser.parse_args()
     options = dict(max_model_len=2048, kv_cache_memory_bytes=1 << 29, max_num_seqs=args.rows,
@@ -40,8 +41,9 @@ def main() -> None:
         engines = {"eager": LLM(model=args.model, **options),
                    "compiled": LLM(model=args.model, compile_decode=True, **options)}
     else:
-        engines = {"library": _with_native(False, lambda: LLM(model=args.model, compile_decode=True, **options)),
-                   "native": _with_native(True, lambda: LLM(model=args.model, compile_decode=True, **options))}
+        compiled = args.compare == "native"
+        engines = {name: _with_native(name == "native", lambda: LLM(
+            model=args.model, compile_decode=compiled, **options)) for name in ("torch", "native")}
     base, new = engines
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (448, 448, 3), dtype=np.uint8))
     messages = [[{"role": "user", "content": [{"type": "image_pil", "image_pil": image},

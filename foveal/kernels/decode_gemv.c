@@ -56,6 +56,21 @@ static inline void prefetch_nta(const void* p) {
 #endif
 }
 
+static inline void prefetch_t0(const void* p) {
+#if ISA
+    _mm_prefetch((const char*)p, _MM_HINT_T0);
+#else
+    (void)p;
+#endif
+}
+
+static inline void prefetch_rows(const void* key, const void* value, int64_t bytes) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) {
+        prefetch_t0((const char*)key + byte);
+        prefetch_t0((const char*)value + byte);
+    }
+}
+
 /* ---------------------------------------------------------------- float32 / bf16 */
 
 #if ISA == 512
@@ -69,6 +84,14 @@ static inline vec vload_bf16(const uint16_t* p) {
 }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+static inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+static inline vec vset1(float v) { return _mm512_set1_ps(v); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vround(vec a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec vpow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  /* p * 2^n */
 #elif ISA == 256
 typedef __m256 vec;
 #define LANES 8
@@ -84,6 +107,38 @@ static inline float vsum(vec a) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+static inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+static inline vec vset1(float v) { return _mm256_set1_ps(v); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vround(vec a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec vpow2(vec p, vec n) {  /* p * 2^n, n integral in [-126, 127] */
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+#if ISA
+/* exp(x) for x <= 0 (softmax terms), Cephes' single-precision polynomial: within a
+ * few ulp of expf; below -87 it returns ~1e-38 instead of a denormal. */
+static inline vec vexp(vec x) {
+    x = vmax(x, vset1(-87.0f));
+    vec n = vround(vfma(x, vset1(1.44269504088896341f), vzero()));
+    vec r = vfma(n, vset1(-0.693359375f), x);
+    r = vfma(n, vset1(2.12194440e-4f), r);
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    vec r2 = vfma(r, r, vzero());
+    p = vfma(p, r2, r);
+    p = vfma(vset1(1.0f), vset1(1.0f), p);  /* 1 + r + r^2 * poly */
+    return vpow2(p, n);
 }
 #endif
 
@@ -284,7 +339,42 @@ static inline void store_bf16(uint16_t* p, float v) {
 VEC_DOT(dot_f32, float, vload_f32, load_f32)
 VEC_DOT(dot_bf16, uint16_t, vload_bf16, load_bf16)
 
-#define DECODE_ATTENTION(NAME, T, DOT, SLOAD, SSTORE)                                        \
+/* s[j] = exp(s[j] - top) for j < n; returns their sum. */
+static inline float exp_shift(float* s, int64_t n, float top) {
+    float sum = 0.0f;
+    int64_t j = 0;
+#if ISA
+    for (; j + LANES <= n; j += LANES) {
+        vec e = vexp(vsub(vload_f32(s + j), vset1(top)));
+        vstore(s + j, e);
+        sum += vsum(e);
+    }
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - top);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* a[0:D] += w * v[0:D] */
+#define AXPY(NAME, T, VLOAD, SLOAD)                                                         \
+    static inline void NAME(float* a, float w, const T* v, int64_t D) {                     \
+        int64_t d = 0;                                                                      \
+        AXPY_VECTOR(VLOAD)                                                                  \
+        for (; d < D; d++) a[d] += w * SLOAD(v + d);                                        \
+    }
+#if ISA
+#define AXPY_VECTOR(VLOAD)                                                                  \
+    vec wv = vset1(w);                                                                      \
+    for (; d + LANES <= D; d += LANES) vstore(a + d, vfma(wv, VLOAD(v + d), vload_f32(a + d)));
+#else
+#define AXPY_VECTOR(VLOAD)
+#endif
+AXPY(axpy_f32, float, vload_f32, load_f32)
+AXPY(axpy_bf16, uint16_t, vload_bf16, load_bf16)
+
+#define DECODE_ATTENTION(NAME, T, DOT, AXPY_T, SLOAD, SSTORE)                                \
     void NAME(const T* q, const T* k_new, const T* v_new, T* k_cache, T* v_cache,            \
               const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks,     \
               int64_t block_size, const int32_t* seq_lens, int64_t B, int64_t H,             \
@@ -319,6 +409,17 @@ VEC_DOT(dot_bf16, uint16_t, vload_bf16, load_bf16)
                                          + pos % block_size;                                 \
                     keys[j] = k_cache + slot * row + h * D;                                  \
                     values[j] = v_cache + slot * row + h * D;                                \
+                    /* the cache is cold after a layer's weights streamed through: ask */    \
+                    /* for the next chunk's rows while this one computes (and for the */     \
+                    /* first chunk's before its first dot product waits on one) */           \
+                    if (j0 == first) prefetch_rows(keys[j], values[j], D * (int64_t)sizeof(T)); \
+                    const int64_t ahead = pos + KEY_CHUNK;                                   \
+                    if (ahead < len) {                                                       \
+                        const int64_t next = (int64_t)table[ahead / block_size] * block_size \
+                                             + ahead % block_size;                           \
+                        prefetch_rows(k_cache + next * row + h * D, v_cache + next * row + h * D, \
+                                      D * (int64_t)sizeof(T));                               \
+                    }                                                                        \
                 }                                                                            \
                 for (int64_t g = 0; g < G; g++) {                                            \
                     float* s = p + g * KEY_CHUNK;                                            \
@@ -328,20 +429,13 @@ VEC_DOT(dot_bf16, uint16_t, vload_bf16, load_bf16)
                         top = s[j] > top ? s[j] : top;                                       \
                     }                                                                        \
                     const float rescale = m[g] == -INFINITY ? 0.0f : expf(m[g] - top);       \
-                    float sum = 0.0f;                                                        \
-                    for (int64_t j = 0; j < n; j++) {                                        \
-                        s[j] = expf(s[j] - top);                                             \
-                        sum += s[j];                                                         \
-                    }                                                                        \
+                    const float sum = exp_shift(s, n, top);                                  \
                     l[g] = l[g] * rescale + sum;                                             \
                     m[g] = top;                                                              \
                     float* a = acc + g * D;                                                  \
-                    for (int64_t d = 0; d < D; d++) a[d] *= rescale;                         \
-                    for (int64_t j = 0; j < n; j++) {                                        \
-                        const T* v = values[j];                                              \
-                        const float w = s[j];                                                \
-                        for (int64_t d = 0; d < D; d++) a[d] += w * SLOAD(v + d);            \
-                    }                                                                        \
+                    if (rescale != 1.0f)                                                     \
+                        for (int64_t d = 0; d < D; d++) a[d] *= rescale;                     \
+                    for (int64_t j = 0; j < n; j++) AXPY_T(a, s[j], values[j], D);           \
                 }                                                                            \
             }                                                                                \
             for (int64_t g = 0; g < G; g++) {                                                \
@@ -353,5 +447,5 @@ VEC_DOT(dot_bf16, uint16_t, vload_bf16, load_bf16)
         }                                                                                    \
     }
 
-DECODE_ATTENTION(foveal_decode_attention_f32, float, dot_f32, load_f32, store_f32)
-DECODE_ATTENTION(foveal_decode_attention_bf16, uint16_t, dot_bf16, load_bf16, store_bf16)
+DECODE_ATTENTION(foveal_decode_attention_f32, float, dot_f32, axpy_f32, load_f32, store_f32)
+DECODE_ATTENTION(foveal_decode_attention_bf16, uint16_t, dot_bf16, axpy_bf16, load_bf16, store_bf16)

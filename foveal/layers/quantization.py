@@ -117,7 +117,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None, fbgemm_weight=None, native: bool | None = None
+                bias: torch.Tensor | None, fbgemm_weight=None, native: bool = False
                 ) -> torch.Tensor:
     """x W^T + b with W = qweight * scale: x quantized per row on the fly, or, given
     the weight's FBGEMM packing, FBGEMM's dynamic int8 linear. native: see int8_matmul."""
@@ -137,23 +137,21 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return out.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
 
 
-def int8_matmul(quantized: torch.Tensor, qweight: torch.Tensor, native: bool | None = None
+def int8_matmul(quantized: torch.Tensor, qweight: torch.Tensor, native: bool = False
                 ) -> torch.Tensor:
     """(T, K) int8 times (N, K) int8, transposed: (T, N) int32, summed exactly (so any
     kernel gives the same numbers). Decode-sized inputs (T <= 4) on the native VNNI
     kernel (foveal/kernels; 0.71x `torch._int_mm`'s time in one measured decode step of
     weights), others on `torch._int_mm` (oneDNN).
 
-    native: whether the native kernels are built (None: ask native_kernels(); code that
-    torch.compile traces passes the layer's mark instead)."""
+    native: the layer's mark (`native_gemv`, set when it was quantized): whether the
+    native int8 kernel was built then."""
     from foveal.kernels.native import MAX_ROWS, native_kernels
 
-    if quantized.shape[0] <= MAX_ROWS:
+    if native and quantized.shape[0] <= MAX_ROWS:
         if torch.compiler.is_compiling():
-            if native:
-                return torch.ops.foveal.decode_gemv_int8(quantized, qweight)
-        elif native is not False and (kernels := native_kernels()) is not None and kernels.has_int8:
-            return kernels.gemv_int8(quantized.contiguous(), qweight)
+            return torch.ops.foveal.decode_gemv_int8(quantized, qweight)
+        return native_kernels().gemv_int8(quantized.contiguous(), qweight)
     return torch._int_mm(quantized, qweight.t())
 
 
@@ -184,7 +182,10 @@ def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False
 
     from foveal.layers.moe import FusedExperts
 
+    from foveal.kernels.native import native_kernels
+
     kernel = int8_kernel()
+    native_int8 = kernel == "exact" and (kernels := native_kernels()) is not None and kernels.has_int8
     count = 0
     for module in model.modules():
         if isinstance(module, FusedExperts):
@@ -200,6 +201,7 @@ def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False
             continue
         qweight, module.int8_scale = quantize_int8(module.weight)
         module.int8_fbgemm = pack_fbgemm(qweight, module.int8_scale) if kernel == "fbgemm" else None
+        module.native_gemv = native_int8  # decode-sized steps on the native int8 GEMV
         module.int8_weight = shape_only(qweight) if module.int8_fbgemm is not None else qweight
         if not head:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)

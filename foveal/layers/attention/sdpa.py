@@ -127,17 +127,6 @@ def _spans(metadata: AttentionMetadata | None, request: int) -> list[tuple[int, 
     return metadata.bidirectional_spans[request]
 
 
-def _native_decode_applies(q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor | None
-                           ) -> bool:
-    """Whether a pure decode step (one query per request) runs the native decode
-    attention (foveal/kernels): the write of the new K/V, the paged gather and the
-    softmax in one call instead of some twenty ops. On a float32 or bfloat16 CPU
-    cache holding the model's dtype, where the kernels are built."""
-    return (kv_cache is not None and kv_cache.numel() > 0 and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.bfloat16)
-            and q.dtype == k.dtype == kv_cache.dtype and native_kernels() is not None)
-
-
 class SdpaBackend:
     layout_key = "sdpa"  # where the step's StepLayout is kept in backend_cache
 
@@ -147,6 +136,11 @@ class SdpaBackend:
         self.head_dim, self.scale = head_dim, scale
         self.group = num_heads // num_kv_heads
         self.sliding_window = sliding_window
+        # Pure decode steps on a float cache run the native decode attention (the KV
+        # write, the paged gather and the softmax in one call instead of some twenty
+        # ops; docs/benchmarks.md "Native decode kernels"), where it is built. Read
+        # once, when the layer first runs.
+        self.native = native_kernels()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata | None,
@@ -169,8 +163,8 @@ class SdpaBackend:
         if kv_scales is not None:
             return self._quantized(q, k, v, kv_cache, kv_scales, metadata,
                                    static_scales).view(num_tokens, -1)
-        if metadata.max_query_len == 1 and _native_decode_applies(q, k, kv_cache):
-            return native_kernels().decode_attention(
+        if metadata.max_query_len == 1 and self._native_decode_applies(q, k, kv_cache):
+            return self.native.decode_attention(
                 q, k, v, slot_view(kv_cache), metadata.slot_mapping, metadata.block_tables,
                 metadata.block_size, metadata.seq_lens, self.scale,
                 self.sliding_window).view(num_tokens, -1)
@@ -196,6 +190,13 @@ class SdpaBackend:
             else:
                 out[rows] = self._with_context(q[rows], kv_cache, prefill)
         return out.view(num_tokens, -1)
+
+    def _native_decode_applies(self, q: torch.Tensor, k: torch.Tensor,
+                               kv_cache: torch.Tensor | None) -> bool:
+        """On a float32 or bfloat16 CPU cache that holds the model's dtype."""
+        return (self.native is not None and kv_cache is not None and kv_cache.numel() > 0
+                and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+                and q.dtype == k.dtype == kv_cache.dtype)
 
     def _quantized(self, q, k, v, kv_cache, kv_scales, metadata, static_scales) -> torch.Tensor:
         """Every row reads its keys from the quantized cache, chunk by chunk."""
