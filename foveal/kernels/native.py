@@ -2,7 +2,7 @@
 
 The source is compiled once with the system C compiler (`-O3 -march=native
 -fopenmp`; Inductor needs the same compiler for `--compile-decode`) into
-~/.cache/foveal/kernels (FOVEAL_CACHE_DIR moves it), named by a hash of the
+~/.cache/foveal/kernels (FOVEAL_CACHE moves it), named by a hash of the
 source, the compiler and the CPU's model and flags, so a machine with another
 CPU builds its own. Loaded with ctypes; its OpenMP threads are torch's (the
 library links libgomp.so.1, which torch has already loaded).
@@ -36,8 +36,9 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("FOVEAL_CACHE_DIR") or Path.home() / ".cache" / "foveal"
-    return Path(root) / "kernels"
+    from foveal.entrypoints.demo import default_cache_dir
+
+    return default_cache_dir() / "kernels"
 
 
 def _compiler() -> str | None:
