@@ -193,10 +193,10 @@ class SdpaBackend:
 
     def _native_decode_applies(self, q: torch.Tensor, k: torch.Tensor,
                                kv_cache: torch.Tensor | None) -> bool:
-        """On a float32 or bfloat16 CPU cache that holds the model's dtype."""
+        """On a contiguous float32 or bfloat16 CPU cache that holds the model's dtype."""
         return (self.native is not None and kv_cache is not None and kv_cache.numel() > 0
                 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-                and q.dtype == k.dtype == kv_cache.dtype)
+                and q.dtype == k.dtype == kv_cache.dtype and kv_cache.is_contiguous())
 
     def _quantized(self, q, k, v, kv_cache, kv_scales, metadata, static_scales) -> torch.Tensor:
         """Every row reads its keys from the quantized cache, chunk by chunk."""
