@@ -177,7 +177,7 @@ def apply_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -
 def _eager_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     if getattr(layer, "int8_weight", None) is not None:
         return int8_linear(x, layer.int8_weight, layer.int8_scale, bias,
-                           getattr(layer, "int8_fbgemm", None))
+                           getattr(layer, "int8_fbgemm", None), getattr(layer, "native_gemv", False))
     if layer.packed_weight is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias,
                                                   "none", [], "")
@@ -213,7 +213,7 @@ def _compiled_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | Non
     VNNI kernel where the CPU has it). FBGEMM's packed int8 weights, and the rest where
     the native kernels are not built, go through `foveal::linear` (measurements in
     docs/benchmarks.md, "Compiled decode steps" and "Native decode kernels")."""
-    native = getattr(layer, "native_gemv", False)  # set by register_compiled_linears
+    native = getattr(layer, "native_gemv", False)  # register_compiled_linears, quantize_weights
     int8 = getattr(layer, "int8_weight", None) is not None
     if int8 and getattr(layer, "int8_fbgemm", None) is None:
         return int8_linear(x, layer.int8_weight, layer.int8_scale, bias, native=native)
@@ -272,8 +272,8 @@ def register_compiled_linears(model: nn.Module) -> int:
     for module in model.modules():
         if hasattr(module, "packed_weight") and not hasattr(module, "compile_key"):
             module.compile_key = register_module(module)
-            int8 = getattr(module, "int8_weight", None) is not None
-            module.native_gemv = kernels is not None and (kernels.has_int8 or not int8)
+            if getattr(module, "int8_weight", None) is None:  # int8 layers: marked when quantized
+                module.native_gemv = kernels is not None
             count += 1
     return count
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from foveal import LLM, SamplingParams
 from foveal.kernels import native
 from foveal.kernels.native import MAX_ROWS, native_kernels
+from foveal.layers.quantization import int8_kernel
 from tests.models.test_gemma3_engine import _image, _user
 
 
@@ -185,20 +186,21 @@ def test_engine_with_native_kernels_matches_without(tiny_checkpoints, monkeypatc
                                                    options):
     """Decode steps on the native attention (and int8 GEMV) give the tokens of the
     engine that runs torch's ops, with logprobs equal up to summation order."""
-    calls = {"attention": 0}
-    attention = native.NativeKernels.decode_attention
+    calls = {"decode_attention": 0, "gemv_int8": 0}
+    for name in calls:
+        def counted(self, *args, _name=name, _method=getattr(native.NativeKernels, name), **kwargs):
+            calls[_name] += 1
+            return _method(self, *args, **kwargs)
 
-    def counted(self, *args, **kwargs):
-        calls["attention"] += 1
-        return attention(self, *args, **kwargs)
-
-    monkeypatch.setattr(native.NativeKernels, "decode_attention", counted)
+        monkeypatch.setattr(native.NativeKernels, name, counted)
     path = tiny_checkpoints(preset)
     with native_disabled():
         expected = _generate(path, **options)
-    assert calls["attention"] == 0
+    assert calls == {"decode_attention": 0, "gemv_int8": 0}
     got = _generate(path, **options)
-    assert calls["attention"] > 0  # every decode step of every layer
+    assert calls["decode_attention"] > 0  # every decode step of every layer
+    if options.get("quantization") == "int8" and int8_kernel() == "exact" and native_kernels().has_int8:
+        assert calls["gemv_int8"] > 0  # decode rows of every int8 layer
     tolerance = 2e-4 if options.get("dtype") != "bfloat16" else 5e-2
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens
