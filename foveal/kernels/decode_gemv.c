@@ -38,6 +38,7 @@
 #endif
 
 int foveal_isa(void) { return ISA; }
+int foveal_max_rows(void) { return MAX_ROWS; }
 
 int foveal_has_int8(void) {
 #if ISA == 512 && defined(__AVX512VNNI__)
@@ -148,12 +149,16 @@ static inline float bf16_to_float(uint16_t v) {
     return out;
 }
 
+/* One element as float32: the scalar tails of the vector loops. */
+static inline float load_f32(const float* p) { return *p; }
+static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+
 /* One weight row against T input rows: WLOAD reads LANES weights at an element
- * offset, WSCALAR one weight. Four accumulators per input row hide the FMA latency. */
+ * offset, WSCALAR one weight (by pointer). Four accumulators per input row hide the FMA latency. */
 #if ISA
 #define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
-    static inline __attribute__((always_inline)) void NAME(const WTYPE* w, int64_t K, const float* x, int64_t T,           \
-                            float* out) {                                                   \
+    static inline __attribute__((always_inline)) void NAME(                                 \
+        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out) {                  \
         vec acc[MAX_ROWS][4];                                                               \
         for (int64_t t = 0; t < T; t++)                                                     \
             for (int u = 0; u < 4; u++) acc[t][u] = vzero();                                \
@@ -178,25 +183,24 @@ static inline float bf16_to_float(uint16_t v) {
         }                                                                                   \
         for (int64_t t = 0; t < T; t++) {                                                   \
             float s = vsum(acc[t][0]) + vsum(acc[t][1]) + vsum(acc[t][2]) + vsum(acc[t][3]); \
-            for (int64_t r = k; r < K; r++) s += WSCALAR(w[r]) * x[t * K + r];              \
+            for (int64_t r = k; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
             out[t] = s;                                                                     \
         }                                                                                   \
     }
 #else
 #define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
-    static inline __attribute__((always_inline)) void NAME(const WTYPE* w, int64_t K, const float* x, int64_t T,           \
-                            float* out) {                                                   \
+    static inline __attribute__((always_inline)) void NAME(                                 \
+        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out) {                  \
         for (int64_t t = 0; t < T; t++) {                                                   \
             float s = 0.0f;                                                                 \
-            for (int64_t r = 0; r < K; r++) s += WSCALAR(w[r]) * x[t * K + r];              \
+            for (int64_t r = 0; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
             out[t] = s;                                                                     \
         }                                                                                   \
     }
 #endif
 
-#define IDENTITY(v) (v)
-ROW_KERNEL(row_f32, float, vload_f32, IDENTITY, 4)
-ROW_KERNEL(row_bf16, uint16_t, vload_bf16, bf16_to_float, 2)
+ROW_KERNEL(row_f32, float, vload_f32, load_f32, 4)
+ROW_KERNEL(row_bf16, uint16_t, vload_bf16, load_bf16, 2)
 
 /* Rows are handed to threads in blocks so each thread streams one contiguous range. */
 #define ROW_BLOCK 16
@@ -308,9 +312,7 @@ int foveal_gemv_s8(const int8_t* w, int64_t N, int64_t K, const int8_t* xq, int6
 
 #define KEY_CHUNK 32
 
-static inline float load_f32(const float* p) { return *p; }
 static inline void store_f32(float* p, float v) { *p = v; }
-static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 static inline void store_bf16(uint16_t* p, float v) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof bits);

@@ -84,6 +84,9 @@ class NativeKernels:
         self._lib = library
         self.isa = library.foveal_isa()  # vector width the build uses: 512, 256 or 0
         self.has_int8 = bool(library.foveal_has_int8())
+        if library.foveal_max_rows() != MAX_ROWS:
+            raise RuntimeError(f"decode_gemv.c takes {library.foveal_max_rows()} rows, "
+                               f"native.py {MAX_ROWS}")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         for name in ("foveal_gemv_f32", "foveal_gemv_bf16"):
             getattr(library, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]

@@ -255,7 +255,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
     """x (T, K) W^T + b as a reduction over K with an (N, T) output, written for
     Inductor: under torch.compile each weight row is loaded once and used for all T
     rows, its products summed in fp32 (scripts/bench_linear_kernels.py --compiled times
-    it). Eagerly it is slow. Compiled steps use it where the native kernels are not built."""
+    it). Eagerly it is slow. Compiled steps use it for one-row fp32 layers, and for
+    2-4 rows where the native kernels are not built."""
     out = (x.float()[None, :, :] * weight.float()[:, None, :]).sum(-1)  # (N, T)
     if bias is not None:
         out = out + bias.float()[:, None]

@@ -141,8 +141,9 @@ def int8_matmul(quantized: torch.Tensor, qweight: torch.Tensor, native: bool = F
                 ) -> torch.Tensor:
     """(T, K) int8 times (N, K) int8, transposed: (T, N) int32, summed exactly (so any
     kernel gives the same numbers). Decode-sized inputs (T <= 4) on the native VNNI
-    kernel (foveal/kernels; 0.71x `torch._int_mm`'s time in one measured decode step of
-    weights), others on `torch._int_mm` (oneDNN).
+    kernel (foveal/kernels; a compiled int8 decode step on it took 0.78x its time on
+    `torch._int_mm`, docs/benchmarks.md "Native decode kernels"), others on
+    `torch._int_mm` (oneDNN).
 
     native: the layer's mark (`native_gemv`, set when it was quantized): whether the
     native int8 kernel was built then."""
