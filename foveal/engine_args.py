@@ -99,11 +99,13 @@ class EngineArgs:
         if self.quantize_lm_head and quantization is None:
             raise ConfigError("quantize_lm_head needs quantization='int8' (--quantization int8)")
         if device == "cpu":
+            from foveal import allocator
             from foveal.cpu_features import cpu_features
             from foveal.layers.linear import linear_layout
 
-            logger.info("CPU: %s; dtype %s -> %s; linear weights %s", cpu_features().describe(),
-                        self.dtype, dtype, linear_layout())
+            logger.info("CPU: %s; dtype %s -> %s; linear weights %s; allocator %s",
+                        cpu_features().describe(), self.dtype, dtype, linear_layout(),
+                        allocator.describe())
             if quantization == "int8":
                 from foveal.layers.quantization import int8_kernel
 

@@ -7,10 +7,14 @@ linear (the choice on CPUs without them). With --compiled, for 1-4 rows, also th
 reduction compiled decode steps run (`foveal.layers.linear.small_batch_linear` under
 torch.compile) on the dense fp32 and bf16 weights.
 
+With --int8-rows, instead: the exact int8 GEMM of a decode step by row count, the
+native VNNI kernel (foveal/kernels) against `torch._int_mm`, summed over `small`'s
+four projections (qkv, o, gate_up, down), which sets quantization.NATIVE_INT8_ROWS.
+
 Each kernel cycles through COPIES different weights, so (as in a decode step,
 which reads every layer once) the weights come from memory, not from the cache.
 
-    python scripts/bench_linear_kernels.py [--compiled]
+    python scripts/bench_linear_kernels.py [--compiled | --int8-rows]
 """
 import argparse
 import statistics
@@ -37,11 +41,41 @@ def median_ms(fn, weights) -> float:
     return 1000 * statistics.median(times)
 
 
+SMALL_PROJECTIONS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # (N, K)
+
+
+def int8_rows() -> None:
+    from foveal.kernels.native import native_kernels
+
+    kernels = native_kernels()
+    if kernels is None or not kernels.has_int8:
+        raise SystemExit("the native int8 kernel is not built on this CPU (it needs AVX-512 VNNI)")
+    # enough copies of each weight to stream 96 MB of it (3x a 32 MB L3), as a decode step
+    # streams every layer's weights from memory
+    weights = {(n, k): [torch.randint(-127, 128, (n, k), dtype=torch.int8)
+                        for _ in range(-(-96 * 2 ** 20 // (n * k)))]
+               for n, k in SMALL_PROJECTIONS}
+    print(f"{'rows':>5} {'native us':>10} {'torch._int_mm us':>17} {'ratio':>6}")
+    for rows in (1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 64):
+        native_us = int_mm_us = 0.0
+        for (n, k), stack in weights.items():
+            x = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+            assert torch.equal(kernels.gemv_int8(x, stack[0]), torch._int_mm(x, stack[0].t()))
+            native_us += 1000 * median_ms(lambda w: kernels.gemv_int8(x, w), stack)
+            int_mm_us += 1000 * median_ms(lambda w: torch._int_mm(x, w.t()), stack)
+        print(f"{rows:>5} {native_us:>10.0f} {int_mm_us:>17.0f} {native_us / int_mm_us:>6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--compiled", action="store_true",
                         help="also time compiled decode steps' reduction (rows 1-4)")
+    parser.add_argument("--int8-rows", action="store_true",
+                        help="native int8 kernel vs torch._int_mm by row count")
     args = parser.parse_args()
+    if args.int8_rows:
+        int8_rows()
+        return
     from foveal.cpu_features import cpu_features
     from foveal.layers.linear import packs_bf16, small_batch_linear
     from foveal.layers.quantization import int8_kernel, int8_linear, pack_fbgemm, quantize_int8

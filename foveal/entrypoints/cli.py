@@ -6,11 +6,13 @@ import argparse
 import importlib
 import sys
 
+from foveal.allocator import reexec_with_allocator
 from foveal.errors import FovealError
 
 # subcommand modules, each with `register(subparsers)`
 _SUBCOMMANDS = (
     "foveal.entrypoints.demo",
+    "foveal.entrypoints.env",
     "foveal.entrypoints.offline",
     "foveal.entrypoints.serve",
     "foveal.bench.cli",
@@ -34,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """argv None: the command line of this process, which first moves onto tcmalloc
+    where it is installed (foveal/allocator.py; the process is replaced)."""
+    if argv is None:
+        try:
+            reexec_with_allocator()
+        except FovealError as error:
+            print(f"foveal: error: {error}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0

@@ -1,18 +1,20 @@
-/* Matrix-vector products of decode steps: y (T, N) = x (T, K) W^T for T <= 4 rows,
+/* Matrix-vector products of decode steps: y (T, N) = x (T, K) W^T for a few rows T,
  * W (N, K) row-major in float32, bfloat16 or int8. Built at first use with the
  * machine's C compiler for the CPU it runs on (foveal/kernels/native.py).
  *
- * A decode step reads every weight once and does two flops per weight byte or
- * less, so these loops are bound by memory bandwidth: each weight row is read once
- * for all T rows, with several independent accumulators per row, and the weight
- * stream is prefetched ahead of the loads (non-temporal hint). Measured in whole
+ * A decode step reads every weight once and does two flops per weight byte per row,
+ * so at a few rows these loops are bound by memory bandwidth: each weight row is read
+ * from memory once for all T rows, with several independent accumulators per row,
+ * and the weight stream is prefetched ahead of the loads (non-temporal hint). Rows
+ * are taken GROUP_ROWS at a time, each group's accumulators in registers; the groups
+ * after the first read the weight row again from the L1 cache. Measured in whole
  * compiled steps (docs/benchmarks.md, "Native decode kernels"): faster than oneDNN's
  * bf16 GEMM and exact int8 GEMM for decode rows and than its fp32 GEMM at 2-4 rows;
  * not faster than Inductor's fused reduction for one fp32 row, which keeps it.
  *
  * The int8 kernel is exact: int8 x int8 products summed in int32 with AVX-512
- * VNNI (x is offset to unsigned and the offset's sum subtracted per row), so its
- * result equals any other exact int8 GEMM's bit for bit.
+ * VNNI (x is offset to unsigned and the offset times the weight row's sum
+ * subtracted), so its result equals any other exact int8 GEMM's bit for bit.
  *
  * Threads: OpenMP over blocks of weight rows, in the process's OpenMP runtime
  * (the one torch loaded; same soname), so they share torch's thread pool.
@@ -25,7 +27,8 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_ROWS 4
+/* Rows whose accumulators a row kernel keeps in registers at once. */
+#define GROUP_ROWS 4
 /* How far ahead of the loads the weight stream is prefetched, in bytes. */
 #define PREFETCH_BYTES 2048
 
@@ -38,7 +41,7 @@
 #endif
 
 int foveal_isa(void) { return ISA; }
-int foveal_max_rows(void) { return MAX_ROWS; }
+int foveal_group_rows(void) { return GROUP_ROWS; }
 
 int foveal_has_int8(void) {
 #if ISA == 512 && defined(__AVX512VNNI__)
@@ -158,8 +161,8 @@ static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 #if ISA
 #define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
     static inline __attribute__((always_inline)) void NAME(                                 \
-        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out) {                  \
-        vec acc[MAX_ROWS][4];                                                               \
+        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out, int64_t stride) {  \
+        vec acc[GROUP_ROWS][4];                                                             \
         for (int64_t t = 0; t < T; t++)                                                     \
             for (int u = 0; u < 4; u++) acc[t][u] = vzero();                                \
         int64_t k = 0;                                                                      \
@@ -184,17 +187,17 @@ static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
         for (int64_t t = 0; t < T; t++) {                                                   \
             float s = vsum(acc[t][0]) + vsum(acc[t][1]) + vsum(acc[t][2]) + vsum(acc[t][3]); \
             for (int64_t r = k; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
-            out[t] = s;                                                                     \
+            out[t * stride] = s;                                                            \
         }                                                                                   \
     }
 #else
 #define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
     static inline __attribute__((always_inline)) void NAME(                                 \
-        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out) {                  \
+        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out, int64_t stride) {  \
         for (int64_t t = 0; t < T; t++) {                                                   \
             float s = 0.0f;                                                                 \
             for (int64_t r = 0; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
-            out[t] = s;                                                                     \
+            out[t * stride] = s;                                                            \
         }                                                                                   \
     }
 #endif
@@ -205,14 +208,17 @@ ROW_KERNEL(row_bf16, uint16_t, vload_bf16, load_bf16, 2)
 /* Rows are handed to threads in blocks so each thread streams one contiguous range. */
 #define ROW_BLOCK 16
 
-/* The row kernels inlined with a constant row count, so their accumulators stay in
- * registers (with a variable count the compiler keeps them in memory: ~15% slower). */
-#define CALL_ROWS(ROW, w, K, x, T, out)                 \
-    switch (T) {                                        \
-        case 1: ROW(w, K, x, 1, out); break;            \
-        case 2: ROW(w, K, x, 2, out); break;            \
-        case 3: ROW(w, K, x, 3, out); break;            \
-        default: ROW(w, K, x, 4, out); break;           \
+/* A row kernel over all T rows, GROUP_ROWS at a time, inlined with a constant row
+ * count so its accumulators stay in registers (with a variable count the compiler
+ * keeps them in memory: ~15% slower). out[t * stride] receives row t's result. */
+#define CALL_ROWS(ROW, w, K, x, T, out, stride, ...)                                        \
+    for (int64_t t0 = 0; t0 < (T); t0 += GROUP_ROWS) {                                      \
+        switch ((T) - t0 < GROUP_ROWS ? (T) - t0 : GROUP_ROWS) {                            \
+            case 1: ROW(w, K, (x) + t0 * (K), 1, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
+            case 2: ROW(w, K, (x) + t0 * (K), 2, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
+            case 3: ROW(w, K, (x) + t0 * (K), 3, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
+            default: ROW(w, K, (x) + t0 * (K), 4, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
+        }                                                                                   \
     }
 
 #define GEMV(NAME, WTYPE, ROW)                                                              \
@@ -221,11 +227,8 @@ ROW_KERNEL(row_bf16, uint16_t, vload_bf16, load_bf16, 2)
         _Pragma("omp parallel for schedule(static)")                                        \
         for (int64_t block = 0; block < blocks; block++) {                                  \
             int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;         \
-            for (int64_t n = block * ROW_BLOCK; n < end; n++) {                             \
-                float out[MAX_ROWS];                                                        \
-                CALL_ROWS(ROW, w + n * K, K, x, T, out)                                     \
-                for (int64_t t = 0; t < T; t++) y[t * N + n] = out[t];                      \
-            }                                                                               \
+            for (int64_t n = block * ROW_BLOCK; n < end; n++)                               \
+                CALL_ROWS(ROW, w + n * K, K, x, T, y + n, N)                                \
         }                                                                                   \
     }
 
@@ -237,21 +240,25 @@ GEMV(foveal_gemv_bf16, uint16_t, row_bf16)
 /* ---------------------------------------------------------------- int8 (exact) */
 
 #if ISA == 512 && defined(__AVX512VNNI__)
-static inline __attribute__((always_inline)) void row_s8(const int8_t* w, int64_t K, const uint8_t* xu, int64_t T,
-                          int32_t* out) {
-    __m512i acc[MAX_ROWS][2], off[2];
+/* One weight row against T rows of x offset to unsigned (x + 128). The offset adds
+ * 128 times the row's sum to each dot product: the first group of rows (first = 1)
+ * sums it in the same pass into *correction, later groups reuse it. */
+static inline __attribute__((always_inline)) void row_s8(const int8_t* w, int64_t K, const uint8_t* xu,
+                                                          int64_t T, int32_t* out, int64_t stride,
+                                                          int32_t* correction, int first) {
+    __m512i acc[GROUP_ROWS][2], off[2];
     const __m512i offset = _mm512_set1_epi8((char)0x80);  /* 128 as an unsigned byte */
-    for (int u = 0; u < 2; u++) {
-        off[u] = _mm512_setzero_si512();
-        for (int64_t t = 0; t < T; t++) acc[t][u] = _mm512_setzero_si512();
-    }
+    off[0] = off[1] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
     int64_t k = 0;
     for (; k + 128 <= K; k += 128) {
         prefetch_nta(w + k + PREFETCH_BYTES);
         prefetch_nta(w + k + PREFETCH_BYTES + 64);
         __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 64);
-        off[0] = _mm512_dpbusd_epi32(off[0], offset, w0);
-        off[1] = _mm512_dpbusd_epi32(off[1], offset, w1);
+        if (first) {
+            off[0] = _mm512_dpbusd_epi32(off[0], offset, w0);
+            off[1] = _mm512_dpbusd_epi32(off[1], offset, w1);
+        }
         for (int64_t t = 0; t < T; t++) {
             const uint8_t* xt = xu + t * K + k;
             acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], _mm512_loadu_si512(xt), w0);
@@ -261,14 +268,27 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t* w, int64_
     for (; k < K; k += 64) {  /* masked tail: absent bytes load as 0 on both sides */
         __mmask64 mask = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
         __m512i w0 = _mm512_maskz_loadu_epi8(mask, w + k);
-        off[0] = _mm512_dpbusd_epi32(off[0], offset, w0);
+        if (first) off[0] = _mm512_dpbusd_epi32(off[0], offset, w0);
         for (int64_t t = 0; t < T; t++)
             acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], _mm512_maskz_loadu_epi8(mask, xu + t * K + k),
                                             w0);
     }
-    int32_t correction = _mm512_reduce_add_epi32(_mm512_add_epi32(off[0], off[1]));
+    if (first) *correction = _mm512_reduce_add_epi32(_mm512_add_epi32(off[0], off[1]));
     for (int64_t t = 0; t < T; t++)
-        out[t] = _mm512_reduce_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1])) - correction;
+        out[t * stride] = _mm512_reduce_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1])) - *correction;
+}
+
+/* The first group of rows, with the correction summed: inlined per row count. */
+static inline __attribute__((always_inline)) void row_s8_first(const int8_t* w, int64_t K,
+                                                                const uint8_t* xu, int64_t T,
+                                                                int32_t* out, int64_t stride,
+                                                                int32_t* correction) {
+    switch (T) {
+        case 1: row_s8(w, K, xu, 1, out, stride, correction, 1); break;
+        case 2: row_s8(w, K, xu, 2, out, stride, correction, 1); break;
+        case 3: row_s8(w, K, xu, 3, out, stride, correction, 1); break;
+        default: row_s8(w, K, xu, 4, out, stride, correction, 1); break;
+    }
 }
 
 /* y (T, N) int32 = xq (T, K) int8 times W (N, K) int8, transposed, exactly. */
@@ -282,9 +302,11 @@ int foveal_gemv_s8(const int8_t* w, int64_t N, int64_t K, const int8_t* xq, int6
     for (int64_t block = 0; block < blocks; block++) {
         int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
         for (int64_t n = block * ROW_BLOCK; n < end; n++) {
-            int32_t out[MAX_ROWS];
-            CALL_ROWS(row_s8, w + n * K, K, xu, T, out)
-            for (int64_t t = 0; t < T; t++) y[t * N + n] = out[t];
+            int32_t correction = 0;
+            row_s8_first(w + n * K, K, xu, T < GROUP_ROWS ? T : GROUP_ROWS, y + n, N, &correction);
+            if (T > GROUP_ROWS)
+                CALL_ROWS(row_s8, w + n * K, K, xu + GROUP_ROWS * K, T - GROUP_ROWS,
+                          y + n + GROUP_ROWS * N, N, &correction, 0)
         }
     }
     free(xu);

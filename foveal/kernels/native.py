@@ -31,7 +31,7 @@ from foveal.logger import init_logger
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_gemv.c")
-MAX_ROWS = 4  # rows per call (MAX_ROWS in decode_gemv.c)
+GROUP_ROWS = 4  # rows a row kernel holds in registers at once (GROUP_ROWS in decode_gemv.c)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -84,9 +84,9 @@ class NativeKernels:
         self._lib = library
         self.isa = library.foveal_isa()  # vector width the build uses: 512, 256 or 0
         self.has_int8 = bool(library.foveal_has_int8())
-        if library.foveal_max_rows() != MAX_ROWS:
-            raise RuntimeError(f"decode_gemv.c takes {library.foveal_max_rows()} rows, "
-                               f"native.py {MAX_ROWS}")
+        if library.foveal_group_rows() != GROUP_ROWS:
+            raise RuntimeError(f"decode_gemv.c groups {library.foveal_group_rows()} rows, "
+                               f"native.py {GROUP_ROWS}")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         for name in ("foveal_gemv_f32", "foveal_gemv_bf16"):
             getattr(library, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
@@ -100,7 +100,7 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x (T, K) float32 times weight (N, K) float32 or bfloat16, transposed:
-        (T, N) float32, for 1 <= T <= MAX_ROWS."""
+        (T, N) float32. Each weight row is read from memory once for all T rows."""
         self._check(x, weight, torch.float32, (torch.float32, torch.bfloat16))
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         kernel = self._lib.foveal_gemv_f32 if weight.dtype == torch.float32 else self._lib.foveal_gemv_bf16
@@ -161,8 +161,8 @@ class NativeKernels:
                weight_dtypes: tuple[torch.dtype, ...]) -> None:
         if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
-        if not 1 <= x.shape[0] <= MAX_ROWS:
-            raise ValueError(f"{x.shape[0]} rows; the decode kernels take 1-{MAX_ROWS}")
+        if x.shape[0] < 1:
+            raise ValueError("the decode kernels need at least one row")
         if x.dtype != x_dtype or weight.dtype not in weight_dtypes:
             raise ValueError(f"x {x.dtype}, weight {weight.dtype}: not a decode kernel's dtypes")
         for tensor in (x, weight):

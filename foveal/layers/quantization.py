@@ -137,19 +137,26 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return out.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
 
 
+# Steps of up to this many rows run the native int8 kernel: over `small`'s four
+# projections, weights streamed from memory, it took 0.49-0.79x torch._int_mm's time at
+# 1-10 rows, 0.85x (tcmalloc) and 0.99x (glibc malloc) at 12, 1.0-1.06x at 16 (python
+# scripts/bench_linear_kernels.py --int8-rows; docs/benchmarks.md "Native decode kernels").
+NATIVE_INT8_ROWS = 12
+
+
 def int8_matmul(quantized: torch.Tensor, qweight: torch.Tensor, native: bool = False
                 ) -> torch.Tensor:
     """(T, K) int8 times (N, K) int8, transposed: (T, N) int32, summed exactly (so any
-    kernel gives the same numbers). Decode-sized inputs (T <= 4) on the native VNNI
-    kernel (foveal/kernels; a compiled int8 decode step on it took 0.78x its time on
-    `torch._int_mm`, docs/benchmarks.md "Native decode kernels"), others on
+    kernel gives the same numbers). Decode-sized inputs (T <= NATIVE_INT8_ROWS) on the
+    native VNNI kernel (foveal/kernels; a compiled int8 decode step on it took 0.78x its
+    time on `torch._int_mm`, docs/benchmarks.md "Native decode kernels"), others on
     `torch._int_mm` (oneDNN).
 
     native: the layer's mark (`native_gemv`, set when it was quantized): whether the
     native int8 kernel was built then."""
-    from foveal.kernels.native import MAX_ROWS, native_kernels
+    from foveal.kernels.native import native_kernels
 
-    if native and quantized.shape[0] <= MAX_ROWS:
+    if native and quantized.shape[0] <= NATIVE_INT8_ROWS:
         if torch.compiler.is_compiling():
             return torch.ops.foveal.decode_gemv_int8(quantized, qweight)
         return native_kernels().gemv_int8(quantized.contiguous(), qweight)

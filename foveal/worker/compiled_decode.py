@@ -34,16 +34,14 @@ import torch
 
 from foveal.config import EngineConfig
 from foveal.forward_context import forward_context
-from foveal.kernels.native import MAX_ROWS as NATIVE_MAX_ROWS
 from foveal.layers.linear import register_compiled_linears
 from foveal.logger import init_logger
 
 logger = init_logger(__name__)
 
 # Steps of up to this many tokens run compiled: decode of 1-4 requests, or a prompt's
-# last few tokens after a prefix-cache hit; larger ones gain little from fusion. The
-# graphs call the native decode kernels, which take as many rows.
-MAX_ROWS = NATIVE_MAX_ROWS
+# last few tokens after a prefix-cache hit; larger ones gain little from fusion.
+MAX_ROWS = 4
 
 
 def compile_applies(config: EngineConfig, has_draft_head: bool) -> str | None:

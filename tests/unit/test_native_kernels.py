@@ -1,5 +1,5 @@
-"""The native decode kernels (foveal/kernels): GEMVs of 1-4 rows in float32, bfloat16
-and exact int8, and the pure-decode paged attention with its KV write, against torch
+"""The native decode kernels (foveal/kernels): GEMVs of a few rows in float32, bfloat16
+and exact int8 (one to three groups of GROUP_ROWS rows, partial groups included), and the pure-decode paged attention with its KV write, against torch
 on the same inputs; their argument checks; and engines built with and without them
 giving the same tokens (images, GQA, sliding windows, int8 weights, preemption)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from foveal import LLM, SamplingParams
 from foveal.kernels import native
-from foveal.kernels.native import MAX_ROWS, native_kernels
+from foveal.kernels.native import GROUP_ROWS, native_kernels
 from foveal.layers.quantization import int8_kernel
 from tests.models.test_gemma3_engine import _image, _user
 
@@ -48,7 +48,10 @@ def test_disabled_by_environment():
     assert native_kernels() is not None
 
 
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+ROWS = [*range(1, 2 * GROUP_ROWS + 2), 3 * GROUP_ROWS]  # whole and partial groups
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("in_features", [896, 100, 37, 4864])  # whole vectors, tails, long rows
 def test_gemv_matches_linear(kernels, rows, in_features):
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
@@ -60,14 +63,15 @@ def test_gemv_matches_linear(kernels, rows, in_features):
                                atol=3e-4)
 
 
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("in_features", [896, 200, 37])
 def test_int8_gemv_is_exact(kernels, rows, in_features):
     generator = torch.Generator().manual_seed(rows + in_features)
     weight = torch.randint(-127, 128, (301, in_features), dtype=torch.int8, generator=generator)
     x = torch.randint(-127, 128, (rows, in_features), dtype=torch.int8, generator=generator)
-    # extremes too: every product at +-127 * 127, where an offset or a sign slip shows
-    weight[0], x[0] = 127, -127
+    # extremes too: every product at +-127 * 127, where an offset or a sign slip shows,
+    # in the first group of rows (which sums the offset correction) and the last
+    weight[0], x[0], x[-1] = 127, -127, 127
     expected = (x.long() @ weight.long().t()).int()
     if kernels.has_int8:
         assert torch.equal(kernels.gemv_int8(x, weight), expected)
@@ -78,8 +82,8 @@ def test_int8_gemv_is_exact(kernels, rows, in_features):
 
 def test_gemv_checks_its_arguments(kernels):
     weight = torch.randn(8, 16)
-    with pytest.raises(ValueError, match="rows"):
-        kernels.gemv(torch.randn(MAX_ROWS + 1, 16), weight)
+    with pytest.raises(ValueError, match="at least one row"):
+        kernels.gemv(torch.randn(0, 16), weight)
     with pytest.raises(ValueError, match="multiply"):
         kernels.gemv(torch.randn(1, 15), weight)
     with pytest.raises(ValueError, match="dtypes"):
@@ -163,12 +167,12 @@ CONVERSATIONS = [
 ]
 
 
-def _generate(path: str, **options) -> list[tuple[list[int], list[float]]]:
+def _generate(path: str, repeat: int = 1, **options) -> list[tuple[list[int], list[float]]]:
     options = {"max_model_len": 1024, "max_num_batched_tokens": 48, "max_num_seqs": 8,
                "kv_cache_memory_bytes": 8 << 20, "block_size": 4, **options}
     llm = LLM(model=path, **options)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
-    outputs = llm.chat(CONVERSATIONS, params, use_tqdm=False)
+    outputs = llm.chat(CONVERSATIONS * repeat, params, use_tqdm=False)
     return [(list(o.outputs[0].token_ids),
              [entry[token].logprob for entry, token in zip(o.outputs[0].logprobs,
                                                            o.outputs[0].token_ids)])
@@ -178,18 +182,24 @@ def _generate(path: str, **options) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.parametrize("preset,options", [
     ("tiny-qwen2-vl", {}),
     ("tiny-qwen2-vl", {"quantization": "int8"}),  # decode steps on the exact int8 GEMV
+    # 12 requests: decode steps of 5-12 rows, several row groups per int8 GEMV
+    ("tiny-qwen2-vl", {"quantization": "int8", "repeat": 3, "max_num_seqs": 12,
+                       "max_num_batched_tokens": 256}),
     ("tiny-qwen2-vl", {"dtype": "bfloat16"}),
     ("tiny-qwen2-vl", {"kv_cache_memory_bytes": 40 * 2048, "max_model_len": 160}),  # preemption
     ("tiny-gemma3", {}),  # sliding-window layers and bidirectional image spans
-], ids=["fp32", "int8-weights", "bf16", "preemption", "gemma3"])
+], ids=["fp32", "int8-weights", "int8-weights-12-requests", "bf16", "preemption", "gemma3"])
 def test_engine_with_native_kernels_matches_without(tiny_checkpoints, monkeypatch, preset,
                                                    options):
     """Decode steps on the native attention (and int8 GEMV) give the tokens of the
     engine that runs torch's ops, with logprobs equal up to summation order."""
     calls = {"decode_attention": 0, "gemv_int8": 0}
+    int8_rows = []
     for name in calls:
         def counted(self, *args, _name=name, _method=getattr(native.NativeKernels, name), **kwargs):
             calls[_name] += 1
+            if _name == "gemv_int8":
+                int8_rows.append(args[0].shape[0])
             return _method(self, *args, **kwargs)
 
         monkeypatch.setattr(native.NativeKernels, name, counted)
@@ -201,6 +211,8 @@ def test_engine_with_native_kernels_matches_without(tiny_checkpoints, monkeypatc
     assert calls["decode_attention"] > 0  # every decode step of every layer
     if options.get("quantization") == "int8" and int8_kernel() == "exact" and native_kernels().has_int8:
         assert calls["gemv_int8"] > 0  # decode rows of every int8 layer
+        if options.get("repeat", 1) > 1:  # batches above one row group ran on it too
+            assert max(int8_rows) > native.GROUP_ROWS
     tolerance = 2e-4 if options.get("dtype") != "bfloat16" else 5e-2
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens
