@@ -10,11 +10,13 @@ torch.compile) on the dense fp32 and bf16 weights.
 With --int8-rows, instead: the exact int8 GEMM of a decode step by row count, the
 native VNNI kernel (foveal/kernels) against `torch._int_mm`, summed over `small`'s
 four projections (qkv, o, gate_up, down), which sets quantization.NATIVE_INT8_ROWS.
+With --layouts: oneDNN's fp32 GEMM on the blocked weight against the same GEMM on the
+plain (dense) weight, for `small`'s LM head and three projections.
 
 Each kernel cycles through COPIES different weights, so (as in a decode step,
 which reads every layer once) the weights come from memory, not from the cache.
 
-    python scripts/bench_linear_kernels.py [--compiled | --int8-rows]
+    python scripts/bench_linear_kernels.py [--compiled | --int8-rows | --layouts]
 """
 import argparse
 import statistics
@@ -66,15 +68,35 @@ def int8_rows() -> None:
         print(f"{rows:>5} {native_us:>10.0f} {int_mm_us:>17.0f} {native_us / int_mm_us:>6.2f}")
 
 
+def layouts() -> None:
+    shapes = [(32000, 896), (896, 4864), (1152, 896), (9728, 896)]  # LM head, down, qkv, gate_up
+    print(f"{'weight':>11} {'rows':>5} {'blocked ms':>11} {'dense ms':>9} {'dense / blocked':>16}")
+    for n, k in shapes:
+        weights = [torch.randn(n, k) * 0.02 for _ in range(-(-384 * 2 ** 20 // (4 * n * k)))]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+        for rows in (1, 4, 16, 273, 2048):
+            x = torch.randn(rows, k)
+            blocked = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
+                x, p, None, "none", [], ""), packed)
+            dense = median_ms(lambda w: torch.ops.mkldnn._linear_pointwise(
+                x, w, None, "none", [], ""), weights)
+            print(f"{n:>5}x{k:<5} {rows:>5} {blocked:>11.2f} {dense:>9.2f} {dense / blocked:>16.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--compiled", action="store_true",
                         help="also time compiled decode steps' reduction (rows 1-4)")
     parser.add_argument("--int8-rows", action="store_true",
                         help="native int8 kernel vs torch._int_mm by row count")
+    parser.add_argument("--layouts", action="store_true",
+                        help="oneDNN fp32 on blocked vs dense weights")
     args = parser.parse_args()
     if args.int8_rows:
         int8_rows()
+        return
+    if args.layouts:
+        layouts()
         return
     from foveal.cpu_features import cpu_features
     from foveal.layers.linear import packs_bf16, small_batch_linear

@@ -190,6 +190,25 @@ def test_prepacked_linear_layers_match_f_linear_in_their_dtype(monkeypatch, nati
         torch.testing.assert_close(out, expected[name], rtol=2e-2, atol=2e-2)
 
 
+def test_fp32_lm_head_runs_onednn_on_its_dense_weight_without_a_copy():
+    """The LM head keeps its dense weight (tied embeddings share it), so an fp32 head's
+    oneDNN weight is that tensor, not a second blocked copy; logits equal F.linear's."""
+    from foveal.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+    from foveal.layers.linear import prepack_weights
+
+    torch.manual_seed(0)
+    embedding = VocabParallelEmbedding(100, 32)
+    torch.nn.init.normal_(embedding.weight)
+    model = torch.nn.ModuleDict({"embed": embedding,
+                                 "head": ParallelLMHead(100, 32, tied_embedding=embedding)})
+    hidden = torch.randn(3, 32)
+    expected = torch.nn.functional.linear(hidden, embedding.weight)
+    assert prepack_weights(model) == 1  # the head; embeddings are not linear layers
+    head = model["head"]
+    assert head.packed_weight.data_ptr() == embedding.weight.data_ptr()  # no copy
+    torch.testing.assert_close(head(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_linear_layout_dense_keeps_dense_weights_and_rejects_unknown_names(monkeypatch):
     """FOVEAL_LINEAR_LAYOUT=dense: no layer is packed and forward() is F.linear on the
     dense weight; packed packs it; an unknown layout is a ConfigError, not a silent
