@@ -5,8 +5,9 @@ mapping and unmaps it on free, so every large activation a forward pass allocate
 batch of images through the vision tower: 4,096 patches x 3,072 fp32 is 50 MB) comes back
 as new pages, each zeroed by a page fault. tcmalloc keeps freed pages for the next
 allocation. On the 32-request throughput workload (docs/benchmarks.md, "Memory allocator")
-that cut the vision tower's time by a fifth and the kernel's share of the run from 19 s to
-4 s. jemalloc, with its default decay, measured slower than glibc there, so it is not used.
+that cut the vision tower's time by a fifth, the run's by 16-19% and the kernel's CPU time
+from ~20 s to 3-4 s. jemalloc, with its default decay, measured slower than glibc there,
+so it is not used.
 
 An allocator is chosen when a process starts (LD_PRELOAD), so the `foveal` command
 re-executes itself once with tcmalloc preloaded (`reexec_with_allocator`); the processes it
@@ -74,9 +75,11 @@ def preload_environment(environ: dict[str, str], library: Path) -> dict[str, str
 def reexec_command(argv: list[str], environ: dict[str, str], current: str,
                    library: Path | None, choice: str, platform: str = sys.platform
                    ) -> tuple[list[str], dict[str, str]] | None:
-    """(argv, environment) to run this command again on tcmalloc, or None to go on as
-    we are: already on tcmalloc or jemalloc, already re-executed, system malloc asked
-    for, not Linux, or tcmalloc not installed under auto (under `tcmalloc`: an error)."""
+    """(argv, environment) to run this command (argv: sys.argv) again on tcmalloc, or
+    None to go on as we are: already on tcmalloc or jemalloc, already re-executed,
+    system malloc asked for, not Linux, or tcmalloc not installed under auto (under
+    `tcmalloc`: an error). The same script runs again (the `foveal` entry point), or
+    `-m foveal` when that is how it was started."""
     if choice == "system" or current != "system" or _MARKER in environ:
         return None
     if library is None:
@@ -87,13 +90,16 @@ def reexec_command(argv: list[str], environ: dict[str, str], current: str,
         return None
     if not platform.startswith("linux"):
         return None
-    return [sys.executable, "-m", "foveal", *argv], preload_environment(environ, library)
+    script, arguments = argv[0], argv[1:]
+    start = (["-m", "foveal"] if Path(script).name == "__main__.py" or not Path(script).is_file()
+             else [script])
+    return [sys.executable, *start, *arguments], preload_environment(environ, library)
 
 
 def reexec_with_allocator() -> None:
     """Replace this process by the same `foveal` command on tcmalloc, where reexec_command
     says so; returns only when the process goes on as it is."""
-    command = reexec_command(sys.argv[1:], dict(os.environ), loaded_allocator(),
+    command = reexec_command(list(sys.argv), dict(os.environ), loaded_allocator(),
                              find_tcmalloc(), requested())
     if command is None:
         return

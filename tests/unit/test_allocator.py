@@ -15,14 +15,20 @@ from foveal.errors import ConfigError
 LIB = Path("/opt/lib/libtcmalloc_minimal.so.4")
 
 
-def test_reexec_command_preloads_tcmalloc_first_and_marks_the_environment():
+def test_reexec_command_preloads_tcmalloc_first_and_marks_the_environment(tmp_path):
+    script = tmp_path / "foveal"  # the console script
+    script.write_text("#!python\n")
     argv, environ = allocator.reexec_command(
-        ["bench", "throughput", "--model", "m"], {"LD_PRELOAD": "/x/libfoo.so", "HOME": "/h"},
-        "system", LIB, "auto", platform="linux")
-    assert argv == [sys.executable, "-m", "foveal", "bench", "throughput", "--model", "m"]
+        [str(script), "bench", "throughput", "--model", "m"],
+        {"LD_PRELOAD": "/x/libfoo.so", "HOME": "/h"}, "system", LIB, "auto", platform="linux")
+    assert argv == [sys.executable, str(script), "bench", "throughput", "--model", "m"]
     assert environ["LD_PRELOAD"] == f"{LIB} /x/libfoo.so"
     assert environ["HOME"] == "/h"
     assert environ[allocator._MARKER] == str(LIB)
+    # started as `python -m foveal`: runs the package again, not its __main__.py as a script
+    argv, _ = allocator.reexec_command(["/site/foveal/__main__.py", "env"], {}, "system", LIB,
+                                       "auto", platform="linux")
+    assert argv == [sys.executable, "-m", "foveal", "env"]
 
 
 @pytest.mark.parametrize("current, environ, library, choice, platform", [
@@ -34,13 +40,14 @@ def test_reexec_command_preloads_tcmalloc_first_and_marks_the_environment():
     ("system", {}, LIB, "auto", "darwin"),  # LD_PRELOAD is Linux's
 ])
 def test_reexec_command_goes_on_as_it_is(current, environ, library, choice, platform):
-    assert allocator.reexec_command(["env"], environ, current, library, choice,
+    assert allocator.reexec_command(["foveal", "env"], environ, current, library, choice,
                                     platform=platform) is None
 
 
 def test_asking_for_tcmalloc_without_the_library_is_a_config_error():
     with pytest.raises(ConfigError, match="libtcmalloc-minimal4"):
-        allocator.reexec_command(["env"], {}, "system", None, "tcmalloc", platform="linux")
+        allocator.reexec_command(["foveal", "env"], {}, "system", None, "tcmalloc",
+                                 platform="linux")
 
 
 def test_requested_rejects_unknown_values(monkeypatch):
@@ -69,21 +76,29 @@ def test_find_tcmalloc_looks_in_the_given_folders(tmp_path):
     assert allocator.find_tcmalloc((str(tmp_path),)) == tmp_path / "libtcmalloc_minimal.so.4"
 
 
-def _foveal_env(**extra: str) -> dict:
+# `python -m foveal`, and the console script pip installed beside this interpreter
+COMMANDS = {"module": [sys.executable, "-m", "foveal"],
+            "script": [str(Path(sys.executable).with_name("foveal"))]}
+
+
+def _foveal_env(command: list[str], **extra: str) -> dict:
     environ = {key: value for key, value in os.environ.items()
                if key not in ("LD_PRELOAD", allocator._MARKER, allocator.ENV)}
     environ.update(extra)
-    result = subprocess.run([sys.executable, "-m", "foveal", "env", "--json"], env=environ,
+    result = subprocess.run([*command, "env", "--json"], env=environ,
                             capture_output=True, text=True, timeout=120, check=True)
     return json.loads(result.stdout)
 
 
-def test_the_foveal_command_runs_on_tcmalloc_where_it_is_installed():
+@pytest.mark.parametrize("how", sorted(COMMANDS))
+def test_the_foveal_command_runs_on_tcmalloc_where_it_is_installed(how):
     """End to end: the command re-executes itself with tcmalloc preloaded (CI installs
     libtcmalloc-minimal4); FOVEAL_MALLOC=system keeps the C library's malloc."""
+    command = COMMANDS[how]
+    assert Path(command[0]).is_file(), f"{command[0]}: the package is not installed (pip install -e .)"
     expected = "tcmalloc" if allocator.find_tcmalloc() is not None else "system"
-    assert _foveal_env()["allocator"] == expected
-    info = _foveal_env(FOVEAL_MALLOC="system")
+    assert _foveal_env(command)["allocator"] == expected
+    info = _foveal_env(command, FOVEAL_MALLOC="system")
     assert info["allocator"] == "system"
     assert "FOVEAL_MALLOC=system" in info["allocator_detail"] or expected == "system"
 
