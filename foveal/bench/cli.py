@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
-import sys
 from pathlib import Path
 
 from foveal.bench.kv_cache import register_kv_cache
 from foveal.bench.model_source import add_model_source_args, model_dir_from_args
 from foveal.bench.multiturn import register_multiturn
 from foveal.bench.peer import register_peer
+from foveal.bench.report import write_json_report
 from foveal.bench.serve import register_serve
 from foveal.bench.soak import register_soak
 from foveal.bench.stages import register_stages
@@ -79,12 +78,10 @@ def _write_json(path: Path, args: argparse.Namespace, plan, report: dict) -> Non
     from foveal.bench.workload import workload_summary
 
     arguments = {key: value for key, value in vars(args).items() if key != "func"}
-    body = {"command_line": shlex.join(["foveal", *sys.argv[1:]]), "arguments": arguments,
-            "model_dir": str(plan.model_dir), "engine_kwargs": plan.engine_kwargs,
-            "workload": workload_summary(plan.workload), **report}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(body), indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_json_report(path, _finite({
+        "arguments": arguments, "model_dir": str(plan.model_dir),
+        "engine_kwargs": plan.engine_kwargs, "workload": workload_summary(plan.workload),
+        **report}))
 
 
 def register(subparsers) -> None:

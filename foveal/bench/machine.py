@@ -19,13 +19,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def machine_info() -> dict:
-    """CPU, core count, torch threads, accelerator and load average at the start."""
+def machine_info(load: bool = True) -> dict:
+    """CPU (model and the features the engine reads), core count, torch threads, memory
+    allocator, accelerator and (load) the load average now, for reports begun now."""
     import torch
 
+    from foveal.allocator import loaded_allocator
+    from foveal.cpu_features import cpu_features
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-            "gpu": gpu, "platform": platform.platform(),
-            "load_average_1m": round(load[0], 2) if load else None}
+    info = {"cpu_model": cpu_model(), "cpu_features": cpu_features().describe(),
+            "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__, "allocator": loaded_allocator(), "gpu": gpu,
+            "platform": platform.platform()}
+    if load and hasattr(os, "getloadavg"):
+        info["load_average_1m"] = round(os.getloadavg()[0], 2)
+    return info

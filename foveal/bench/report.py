@@ -119,8 +119,12 @@ def speedup(foveal: dict, baseline: dict) -> float:
 
 
 def write_json_report(path: Path, body: dict) -> None:
-    """`body` after the command line that ran, as indented JSON (parents made)."""
+    """`body` after the command line that ran, as indented JSON (parents made), with the
+    machine it ran on (CPU features, allocator, ...) unless the body has it already."""
+    from foveal.bench.machine import machine_info
+
     report = {"command_line": shlex.join(["foveal", *sys.argv[1:]]), **body}
+    report.setdefault("machine", machine_info(load=False))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {path}")

@@ -90,6 +90,14 @@ def test_cli_runs_workload_and_writes_json(stand_in, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["results"][0]["num_requests"] == 4 and report["speedup_vs_hf"] is None
     assert report["workload"]["images_per_prompt"] == 9
+    assert report["command_line"].startswith("foveal ")
+    # the machine it ran on: which CPU and allocator a row came from
+    from foveal.allocator import loaded_allocator
+    from foveal.cpu_features import cpu_features
+
+    assert report["machine"]["cpu_features"] == cpu_features().describe()
+    assert report["machine"]["allocator"] == loaded_allocator()
+    assert "load_average_1m" not in report["machine"]  # taken at the end: not the start's
     # the per-prompt image limit grows to the workload's images unless given
     assert stand_in.instances[0].kwargs["limit_mm_per_prompt"] == {"image": 9}
     assert stand_in.instances[0].kwargs["max_num_batched_tokens"] == 512
