@@ -30,6 +30,14 @@ COPIES = 24  # 24 x 35 MB of fp32 weights: more than the 300 MB L3 of some Xeons
 REPEATS = 5
 
 
+def streamed(make, total_mb: int) -> list:
+    """Enough copies of the tensor make() builds to hold total_mb MB, so that cycling
+    through them streams it from memory as a decode step does, not from the cache."""
+    first = make()
+    count = -(-total_mb * 2 ** 20 // (first.numel() * first.element_size()))
+    return [first] + [make() for _ in range(count - 1)]
+
+
 def median_ms(fn, weights) -> float:
     """Median over REPEATS passes of one call per weight, per call."""
     for weight in weights:
@@ -52,10 +60,8 @@ def int8_rows() -> None:
     kernels = native_kernels()
     if kernels is None or not kernels.has_int8:
         raise SystemExit("the native int8 kernel is not built on this CPU (it needs AVX-512 VNNI)")
-    # enough copies of each weight to stream 96 MB of it (3x a 32 MB L3), as a decode step
-    # streams every layer's weights from memory
-    weights = {(n, k): [torch.randint(-127, 128, (n, k), dtype=torch.int8)
-                        for _ in range(-(-96 * 2 ** 20 // (n * k)))]
+    # 96 MB of each weight: 3x a 32 MB L3
+    weights = {(n, k): streamed(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8), 96)
                for n, k in SMALL_PROJECTIONS}
     print(f"{'rows':>5} {'native us':>10} {'torch._int_mm us':>17} {'ratio':>6}")
     for rows in (1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 64):
@@ -72,7 +78,7 @@ def layouts() -> None:
     shapes = [(32000, 896), (896, 4864), (1152, 896), (9728, 896)]  # LM head, down, qkv, gate_up
     print(f"{'weight':>11} {'rows':>5} {'blocked ms':>11} {'dense ms':>9} {'dense / blocked':>16}")
     for n, k in shapes:
-        weights = [torch.randn(n, k) * 0.02 for _ in range(-(-384 * 2 ** 20 // (4 * n * k)))]
+        weights = streamed(lambda: torch.randn(n, k) * 0.02, 384)
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
         for rows in (1, 4, 16, 273, 2048):
             x = torch.randn(rows, k)

@@ -21,13 +21,15 @@ def cpu_model() -> str:
 
 def machine_info(load: bool = True) -> dict:
     """CPU (model and the features the engine reads), core count, torch threads, memory
-    allocator, accelerator and (load) the load average now, for reports begun now."""
+    allocator, GPUs (every device's name) and (load) the load average now, for reports
+    begun now. `foveal env` prints it too."""
     import torch
 
     from foveal.allocator import loaded_allocator
     from foveal.cpu_features import cpu_features
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    gpu = (", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+           if torch.cuda.is_available() else None)
     info = {"cpu_model": cpu_model(), "cpu_features": cpu_features().describe(),
             "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch_version": torch.__version__, "allocator": loaded_allocator(), "gpu": gpu,

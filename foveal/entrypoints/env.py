@@ -4,33 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 
 
-def collect() -> dict[str, str]:
-    import torch
-
+def collect() -> dict:
+    """The machine as benchmark reports record it, and what the engine made of it."""
     from foveal import allocator
-    from foveal.cpu_features import cpu_features
+    from foveal.bench.machine import machine_info
     from foveal.kernels.native import native_kernels
     from foveal.layers.linear import linear_layout
 
     kernels = native_kernels()
-    info = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cpu": cpu_features().describe(),
-        "threads": str(torch.get_num_threads()),
-        "allocator": allocator.loaded_allocator(),
-        "allocator_detail": allocator.describe(),
-        "native_kernels": (f"{kernels.isa}-bit vectors" + (", int8 VNNI" if kernels.has_int8 else "")
-                           if kernels is not None else "none"),
-        "linear_layout": linear_layout(),
-        "cuda": (", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-                 if torch.cuda.is_available() else "none"),
-    }
+    info = {"python": sys.version.split()[0], **machine_info(load=False),
+            "allocator_detail": allocator.describe(),
+            "native_kernels": (f"{kernels.isa}-bit vectors" + (", int8 VNNI" if kernels.has_int8 else "")
+                               if kernels is not None else "none"),
+            "linear_layout": linear_layout()}
     try:
         import transformers
 

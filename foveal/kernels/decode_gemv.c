@@ -208,18 +208,22 @@ ROW_KERNEL(row_bf16, uint16_t, vload_bf16, load_bf16, 2)
 /* Rows are handed to threads in blocks so each thread streams one contiguous range. */
 #define ROW_BLOCK 16
 
-/* A row kernel over all T rows, GROUP_ROWS at a time, inlined with a constant row
+/* A row kernel over one group of ROWS <= GROUP_ROWS rows, inlined with a constant row
  * count so its accumulators stay in registers (with a variable count the compiler
  * keeps them in memory: ~15% slower). out[t * stride] receives row t's result. */
-#define CALL_ROWS(ROW, w, K, x, T, out, stride, ...)                                        \
-    for (int64_t t0 = 0; t0 < (T); t0 += GROUP_ROWS) {                                      \
-        switch ((T) - t0 < GROUP_ROWS ? (T) - t0 : GROUP_ROWS) {                            \
-            case 1: ROW(w, K, (x) + t0 * (K), 1, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
-            case 2: ROW(w, K, (x) + t0 * (K), 2, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
-            case 3: ROW(w, K, (x) + t0 * (K), 3, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
-            default: ROW(w, K, (x) + t0 * (K), 4, (out) + t0 * (stride), stride, ##__VA_ARGS__); break; \
-        }                                                                                   \
+#define CALL_GROUP(ROW, ROWS, w, K, x, out, stride, ...)                                    \
+    switch (ROWS) {                                                                         \
+        case 1: ROW(w, K, x, 1, out, stride, ##__VA_ARGS__); break;                         \
+        case 2: ROW(w, K, x, 2, out, stride, ##__VA_ARGS__); break;                         \
+        case 3: ROW(w, K, x, 3, out, stride, ##__VA_ARGS__); break;                         \
+        default: ROW(w, K, x, 4, out, stride, ##__VA_ARGS__); break;                        \
     }
+
+/* The same over all T rows, GROUP_ROWS at a time. */
+#define CALL_ROWS(ROW, w, K, x, T, out, stride, ...)                                        \
+    for (int64_t t0 = 0; t0 < (T); t0 += GROUP_ROWS)                                        \
+        CALL_GROUP(ROW, (T) - t0 < GROUP_ROWS ? (T) - t0 : GROUP_ROWS, w, K, (x) + t0 * (K), \
+                   (out) + t0 * (stride), stride, ##__VA_ARGS__)
 
 #define GEMV(NAME, WTYPE, ROW)                                                              \
     void NAME(const WTYPE* w, int64_t N, int64_t K, const float* x, int64_t T, float* y) {  \
@@ -278,19 +282,6 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t* w, int64_
         out[t * stride] = _mm512_reduce_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1])) - *correction;
 }
 
-/* The first group of rows, with the correction summed: inlined per row count. */
-static inline __attribute__((always_inline)) void row_s8_first(const int8_t* w, int64_t K,
-                                                                const uint8_t* xu, int64_t T,
-                                                                int32_t* out, int64_t stride,
-                                                                int32_t* correction) {
-    switch (T) {
-        case 1: row_s8(w, K, xu, 1, out, stride, correction, 1); break;
-        case 2: row_s8(w, K, xu, 2, out, stride, correction, 1); break;
-        case 3: row_s8(w, K, xu, 3, out, stride, correction, 1); break;
-        default: row_s8(w, K, xu, 4, out, stride, correction, 1); break;
-    }
-}
-
 /* y (T, N) int32 = xq (T, K) int8 times W (N, K) int8, transposed, exactly. */
 int foveal_gemv_s8(const int8_t* w, int64_t N, int64_t K, const int8_t* xq, int64_t T,
                    int32_t* y) {
@@ -303,7 +294,8 @@ int foveal_gemv_s8(const int8_t* w, int64_t N, int64_t K, const int8_t* xq, int6
         int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
         for (int64_t n = block * ROW_BLOCK; n < end; n++) {
             int32_t correction = 0;
-            row_s8_first(w + n * K, K, xu, T < GROUP_ROWS ? T : GROUP_ROWS, y + n, N, &correction);
+            CALL_GROUP(row_s8, T < GROUP_ROWS ? T : GROUP_ROWS, w + n * K, K, xu, y + n, N,
+                       &correction, 1)  /* the first group sums the correction */
             if (T > GROUP_ROWS)
                 CALL_ROWS(row_s8, w + n * K, K, xu + GROUP_ROWS * K, T - GROUP_ROWS,
                           y + n + GROUP_ROWS * N, N, &correction, 0)

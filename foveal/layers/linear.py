@@ -241,7 +241,7 @@ def compiled_reads_dense(dtype: torch.dtype) -> bool:
 @torch.library.custom_op("foveal::decode_gemv", mutates_args=())
 def _decode_gemv_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (T, K) float32 times a dense fp32 / bf16 weight (N, K), transposed: (T, N)
-    float32, by the native decode kernel (T <= 4)."""
+    float32, by the native decode kernel (compiled steps: 1-4 rows)."""
     return native_kernels().gemv(x.contiguous(), weight)
 
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from foveal.config import CHECKPOINT_METHOD_NAMES
 from foveal.errors import ConfigError
+from foveal.kernels.native import native_kernels
 
 QUANTIZATION_METHODS = ("int8",)
 _INT8_MAX = 127.0
@@ -154,8 +155,6 @@ def int8_matmul(quantized: torch.Tensor, qweight: torch.Tensor, native: bool = F
 
     native: the layer's mark (`native_gemv`, set when it was quantized): whether the
     native int8 kernel was built then."""
-    from foveal.kernels.native import native_kernels
-
     if native and quantized.shape[0] <= NATIVE_INT8_ROWS:
         if torch.compiler.is_compiling():
             return torch.ops.foveal.decode_gemv_int8(quantized, qweight)
@@ -166,8 +165,6 @@ def int8_matmul(quantized: torch.Tensor, qweight: torch.Tensor, native: bool = F
 @torch.library.custom_op("foveal::decode_gemv_int8", mutates_args=())
 def _decode_gemv_int8_op(quantized: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """int8_matmul's native kernel as an op compiled decode steps call."""
-    from foveal.kernels.native import native_kernels
-
     return native_kernels().gemv_int8(quantized.contiguous(), qweight)
 
 
@@ -189,8 +186,6 @@ def quantize_weights(model: nn.Module, method: str | None, lm_head: bool = False
     from foveal.layers.linear import LinearBase
 
     from foveal.layers.moe import FusedExperts
-
-    from foveal.kernels.native import native_kernels
 
     kernel = int8_kernel()
     native_int8 = kernel == "exact" and (kernels := native_kernels()) is not None and kernels.has_int8
