@@ -133,6 +133,13 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
+def decode_step() -> bool:
+    """Whether the running step is a pure decode step (one new token per request);
+    False outside any forward context."""
+    return (_current is not None and _current.attn_metadata is not None
+            and _current.attn_metadata.max_query_len == 1)
+
+
 def static_shapes() -> bool:
     """Whether the running step is a decode graph's (ForwardContext.static_shapes);
     False outside any forward context."""

@@ -12,11 +12,15 @@ native VNNI kernel (foveal/kernels) against `torch._int_mm`, summed over `small`
 four projections (qkv, o, gate_up, down), which sets quantization.NATIVE_INT8_ROWS.
 With --layouts: oneDNN's fp32 GEMM on the blocked weight against the same GEMM on the
 plain (dense) weight, for `small`'s LM head and three projections.
+With --model-pass: one decode step's fp32 weights in model order (`small`: 24 x qkv, o,
+gate_up, down, then the LM head; 1.55 GB, read once per pass as a step reads them) by
+row count, the native tile kernel (foveal/kernels) against oneDNN on the same dense
+weights and on blocked copies, which sets linear.NATIVE_F32_ROWS.
 
 Each kernel cycles through COPIES different weights, so (as in a decode step,
 which reads every layer once) the weights come from memory, not from the cache.
 
-    python scripts/bench_linear_kernels.py [--compiled | --int8-rows | --layouts]
+    python scripts/bench_linear_kernels.py [--compiled | --int8-rows | --layouts | --model-pass]
 """
 import argparse
 import statistics
@@ -89,6 +93,41 @@ def layouts() -> None:
             print(f"{n:>5}x{k:<5} {rows:>5} {blocked:>11.2f} {dense:>9.2f} {dense / blocked:>16.2f}")
 
 
+def model_pass() -> None:
+    from foveal.kernels.native import native_kernels
+
+    kernels = native_kernels()
+    if kernels is None:
+        raise SystemExit("the native kernels are not built on this CPU")
+    weights = [torch.randn(n, k) * 0.02 for n, k in SMALL_PROJECTIONS * 24 + [(32000, 896)]]
+    blocked = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    gigabytes = sum(w.numel() * 4 for w in weights) / 1e9
+    flops = 2 * sum(w.numel() for w in weights)
+    print(f"{gigabytes:.2f} GB of fp32 weights per pass, median of {REPEATS} alternated passes")
+    print(f"{'rows':>5} {'native ms':>10} {'oneDNN dense ms':>16} {'oneDNN blocked ms':>18} "
+          f"{'native / dense':>15} {'native GFLOP/s':>15}")
+    onednn = torch.ops.mkldnn._linear_pointwise
+    for rows in (1, 2, 4, 8, 16, 24, 32, 48, 64):
+        inputs = {k: torch.randn(rows, k) for _, k in SMALL_PROJECTIONS}
+        for weight in weights[:4]:
+            x = inputs[weight.shape[1]]
+            torch.testing.assert_close(kernels.gemv(x, weight), onednn(x, weight, None, "none", [], ""),
+                                       rtol=1e-4, atol=1e-4)
+        passes = {"native": lambda: [kernels.gemv(inputs[w.shape[1]], w) for w in weights],
+                  "dense": lambda: [onednn(inputs[w.shape[1]], w, None, "none", [], "") for w in weights],
+                  "blocked": lambda: [onednn(inputs[w.shape[1]], p, None, "none", [], "")
+                                      for w, p in zip(weights, blocked)]}
+        times = {name: [] for name in passes}
+        for repeat in range(REPEATS):
+            for name in (list(passes) if repeat % 2 == 0 else list(passes)[::-1]):
+                start = time.perf_counter()
+                passes[name]()
+                times[name].append(1000 * (time.perf_counter() - start))
+        native, dense, packed = (statistics.median(times[name]) for name in passes)
+        print(f"{rows:>5} {native:>10.1f} {dense:>16.1f} {packed:>18.1f} {native / dense:>15.2f} "
+              f"{rows * flops / native / 1e6:>15.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--compiled", action="store_true",
@@ -97,7 +136,12 @@ def main() -> None:
                         help="native int8 kernel vs torch._int_mm by row count")
     parser.add_argument("--layouts", action="store_true",
                         help="oneDNN fp32 on blocked vs dense weights")
+    parser.add_argument("--model-pass", action="store_true",
+                        help="a decode step's fp32 weights in model order: native vs oneDNN by rows")
     args = parser.parse_args()
+    if args.model_pass:
+        model_pass()
+        return
     if args.int8_rows:
         int8_rows()
         return

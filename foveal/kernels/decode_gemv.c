@@ -2,19 +2,20 @@
  * W (N, K) row-major in float32, bfloat16 or int8. Built at first use with the
  * machine's C compiler for the CPU it runs on (foveal/kernels/native.py).
  *
- * A decode step reads every weight once and does two flops per weight byte per row,
- * so at a few rows these loops are bound by memory bandwidth: each weight row is read
- * from memory once for all T rows, with several independent accumulators per row,
- * and the weight stream is prefetched ahead of the loads (non-temporal hint). Rows
- * are taken GROUP_ROWS at a time, each group's accumulators in registers; the groups
- * after the first read the weight row again from the L1 cache. Measured in whole
- * compiled steps (docs/benchmarks.md, "Native decode kernels"): faster than oneDNN's
- * bf16 GEMM and exact int8 GEMM for decode rows and than its fp32 GEMM at 2-4 rows;
- * not faster than Inductor's fused reduction for one fp32 row, which keeps it.
+ * At one row a decode step reads every weight once for two flops per weight, so it is
+ * bound by memory bandwidth; from ~8 rows on the arithmetic counts as much. The float
+ * kernels work in tiles of TILE_W weight rows by up to GROUP_ROWS input rows, summed
+ * over K in vectors with one accumulator per pair: every weight vector loaded serves
+ * all the tile's input rows and every input vector all its weight rows, each weight row
+ * is read from memory once (the later groups of input rows find it in the cache), and
+ * the next tile's weights are prefetched while this one computes. Measured over a
+ * whole decode step's weights (docs/benchmarks.md, "Native decode kernels"): as fast
+ * as oneDNN's fp32 GEMM at one row, 0.76-0.91x its time at 2-32 rows, equal at 48-64.
  *
  * The int8 kernel is exact: int8 x int8 products summed in int32 with AVX-512
  * VNNI (x is offset to unsigned and the offset times the weight row's sum
- * subtracted), so its result equals any other exact int8 GEMM's bit for bit.
+ * subtracted), so its result equals any other exact int8 GEMM's bit for bit. It takes
+ * one weight row at a time against GROUP_ROWS input rows.
  *
  * Threads: OpenMP over blocks of weight rows, in the process's OpenMP runtime
  * (the one torch loaded; same soname), so they share torch's thread pool.
@@ -27,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-/* Rows whose accumulators a row kernel keeps in registers at once. */
+/* Input rows whose accumulators a kernel keeps in registers at once. */
 #define GROUP_ROWS 4
 /* How far ahead of the loads the weight stream is prefetched, in bytes. */
 #define PREFETCH_BYTES 2048
@@ -54,6 +55,14 @@ int foveal_has_int8(void) {
 static inline void prefetch_nta(const void* p) {
 #if ISA
     _mm_prefetch((const char*)p, _MM_HINT_NTA);
+#else
+    (void)p;
+#endif
+}
+
+static inline void prefetch_t1(const void* p) {
+#if ISA
+    _mm_prefetch((const char*)p, _MM_HINT_T1);
 #else
     (void)p;
 #endif
@@ -156,90 +165,111 @@ static inline float bf16_to_float(uint16_t v) {
 static inline float load_f32(const float* p) { return *p; }
 static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 
-/* One weight row against T input rows: WLOAD reads LANES weights at an element
- * offset, WSCALAR one weight (by pointer). Four accumulators per input row hide the FMA latency. */
+/* Weight rows a tile kernel takes at once: a tile is TILE_W weight rows by up to
+ * GROUP_ROWS input rows, one accumulator vector per pair (16 of the 32 AVX-512
+ * registers; 8 of AVX2's 16). */
+#if ISA == 512
+#define TILE_W 4
+#else
+#define TILE_W 2
+#endif
+
+/* One tile: weight rows w (WR rows of K, consecutive) against input rows x (TR rows of
+ * K), summed over K a vector at a time; out[t * stride + r] receives row t's product
+ * with weight row r. Each weight vector loaded serves the TR input rows and each input
+ * vector the WR weight rows (the empty asm statements keep both in registers: without
+ * them GCC reloads the weight vector for every input row, and the loop, load-bound,
+ * ran at half the speed). Meanwhile the next tile's weight rows, which follow these in
+ * memory, are prefetched into L2 at the same offsets, so that a tile's memory reads
+ * overlap the previous tile's arithmetic; every group of input rows issues the
+ * prefetch again (measured faster than prefetching in the first group only). WR and
+ * TR are constants at every call (CALL_TILE), so the accumulators stay in registers. */
 #if ISA
-#define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
-    static inline __attribute__((always_inline)) void NAME(                                 \
-        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out, int64_t stride) {  \
-        vec acc[GROUP_ROWS][4];                                                             \
-        for (int64_t t = 0; t < T; t++)                                                     \
-            for (int u = 0; u < 4; u++) acc[t][u] = vzero();                                \
-        int64_t k = 0;                                                                      \
-        for (; k + 4 * LANES <= K; k += 4 * LANES) {                                        \
-            for (int64_t b = 0; b < 4 * LANES * (ELEM_BYTES); b += 64)                      \
-                prefetch_nta((const char*)(w + k) + PREFETCH_BYTES + b);                    \
-            vec w0 = WLOAD(w + k), w1 = WLOAD(w + k + LANES);                               \
-            vec w2 = WLOAD(w + k + 2 * LANES), w3 = WLOAD(w + k + 3 * LANES);               \
-            for (int64_t t = 0; t < T; t++) {                                               \
-                const float* xt = x + t * K + k;                                            \
-                acc[t][0] = vfma(w0, vload_f32(xt), acc[t][0]);                             \
-                acc[t][1] = vfma(w1, vload_f32(xt + LANES), acc[t][1]);                     \
-                acc[t][2] = vfma(w2, vload_f32(xt + 2 * LANES), acc[t][2]);                 \
-                acc[t][3] = vfma(w3, vload_f32(xt + 3 * LANES), acc[t][3]);                 \
-            }                                                                               \
-        }                                                                                   \
-        for (; k + LANES <= K; k += LANES) {                                                \
-            vec w0 = WLOAD(w + k);                                                          \
-            for (int64_t t = 0; t < T; t++)                                                 \
-                acc[t][0] = vfma(w0, vload_f32(x + t * K + k), acc[t][0]);                  \
-        }                                                                                   \
-        for (int64_t t = 0; t < T; t++) {                                                   \
-            float s = vsum(acc[t][0]) + vsum(acc[t][1]) + vsum(acc[t][2]) + vsum(acc[t][3]); \
-            for (int64_t r = k; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
-            out[t * stride] = s;                                                            \
-        }                                                                                   \
+#define TILE_KERNEL(NAME, WTYPE, WLOAD, WSCALAR)                                              \
+    static inline __attribute__((always_inline)) void NAME(                                  \
+        const WTYPE* w, int64_t K, const float* x, float* out, int64_t stride,                \
+        const int WR, const int TR) {                                                         \
+        vec acc[GROUP_ROWS][TILE_W];                                                          \
+        for (int t = 0; t < TR; t++)                                                          \
+            for (int r = 0; r < WR; r++) acc[t][r] = vzero();                                 \
+        int64_t k = 0;                                                                        \
+        for (; k + LANES <= K; k += LANES) {                                                  \
+            vec wv[TILE_W];                                                                   \
+            for (int r = 0; r < WR; r++) {                                                    \
+                prefetch_t1(w + (WR + r) * K + k);                                            \
+                wv[r] = WLOAD(w + r * K + k);                                                 \
+                __asm__("" : "+v"(wv[r]));                                                    \
+            }                                                                                 \
+            for (int t = 0; t < TR; t++) {                                                    \
+                vec xv = vload_f32(x + t * K + k);                                            \
+                __asm__("" : "+v"(xv));                                                       \
+                for (int r = 0; r < WR; r++) acc[t][r] = vfma(wv[r], xv, acc[t][r]);          \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < TR; t++)                                                          \
+            for (int r = 0; r < WR; r++) {                                                    \
+                float s = vsum(acc[t][r]);                                                    \
+                for (int64_t j = k; j < K; j++) s += WSCALAR(w + r * K + j) * x[t * K + j];   \
+                out[t * stride + r] = s;                                                      \
+            }                                                                                 \
     }
 #else
-#define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
-    static inline __attribute__((always_inline)) void NAME(                                 \
-        const WTYPE* w, int64_t K, const float* x, int64_t T, float* out, int64_t stride) {  \
-        for (int64_t t = 0; t < T; t++) {                                                   \
-            float s = 0.0f;                                                                 \
-            for (int64_t r = 0; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
-            out[t * stride] = s;                                                            \
-        }                                                                                   \
+#define TILE_KERNEL(NAME, WTYPE, WLOAD, WSCALAR)                                              \
+    static inline void NAME(const WTYPE* w, int64_t K, const float* x, float* out,           \
+                            int64_t stride, const int WR, const int TR) {                     \
+        for (int t = 0; t < TR; t++)                                                          \
+            for (int r = 0; r < WR; r++) {                                                    \
+                float s = 0.0f;                                                               \
+                for (int64_t j = 0; j < K; j++) s += WSCALAR(w + r * K + j) * x[t * K + j];   \
+                out[t * stride + r] = s;                                                      \
+            }                                                                                 \
     }
 #endif
 
-ROW_KERNEL(row_f32, float, vload_f32, load_f32, 4)
-ROW_KERNEL(row_bf16, uint16_t, vload_bf16, load_bf16, 2)
+TILE_KERNEL(tile_f32, float, vload_f32, load_f32)
+TILE_KERNEL(tile_bf16, uint16_t, vload_bf16, load_bf16)
 
-/* Rows are handed to threads in blocks so each thread streams one contiguous range. */
+/* Weight rows are handed to threads in blocks, each thread one contiguous range. */
 #define ROW_BLOCK 16
 
-/* A row kernel over one group of ROWS <= GROUP_ROWS rows, inlined with a constant row
- * count so its accumulators stay in registers (with a variable count the compiler
- * keeps them in memory: ~15% slower). out[t * stride] receives row t's result. */
-#define CALL_GROUP(ROW, ROWS, w, K, x, out, stride, ...)                                    \
-    switch (ROWS) {                                                                         \
-        case 1: ROW(w, K, x, 1, out, stride, ##__VA_ARGS__); break;                         \
-        case 2: ROW(w, K, x, 2, out, stride, ##__VA_ARGS__); break;                         \
-        case 3: ROW(w, K, x, 3, out, stride, ##__VA_ARGS__); break;                         \
-        default: ROW(w, K, x, 4, out, stride, ##__VA_ARGS__); break;                        \
+/* A kernel over one group of ROWS <= GROUP_ROWS rows with a constant row count, so
+ * that its accumulators stay in registers (with a variable count the compiler keeps
+ * them in memory: ~15% slower). Trailing arguments go to the kernel. */
+#define CALL_GROUP(KERNEL, ROWS, ...)                                                         \
+    switch (ROWS) {                                                                           \
+        case 1: KERNEL(__VA_ARGS__, 1); break;                                                \
+        case 2: KERNEL(__VA_ARGS__, 2); break;                                                \
+        case 3: KERNEL(__VA_ARGS__, 3); break;                                                \
+        default: KERNEL(__VA_ARGS__, 4); break;                                               \
     }
 
-/* The same over all T rows, GROUP_ROWS at a time. */
-#define CALL_ROWS(ROW, w, K, x, T, out, stride, ...)                                        \
-    for (int64_t t0 = 0; t0 < (T); t0 += GROUP_ROWS)                                        \
-        CALL_GROUP(ROW, (T) - t0 < GROUP_ROWS ? (T) - t0 : GROUP_ROWS, w, K, (x) + t0 * (K), \
-                   (out) + t0 * (stride), stride, ##__VA_ARGS__)
+/* One tile of WR <= TILE_W weight rows against all T input rows, GROUP_ROWS at a time. */
+#define CALL_TILE(KERNEL, WR, w, K, x, T, out, stride)                                        \
+    for (int64_t t0 = 0; t0 < (T); t0 += GROUP_ROWS)                                          \
+        CALL_GROUP(KERNEL, (T) - t0 < GROUP_ROWS ? (T) - t0 : GROUP_ROWS, w, K,               \
+                   (x) + t0 * (K), (out) + t0 * (stride), stride, WR)
 
-#define GEMV(NAME, WTYPE, ROW)                                                              \
-    void NAME(const WTYPE* w, int64_t N, int64_t K, const float* x, int64_t T, float* y) {  \
-        int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;                                   \
-        _Pragma("omp parallel for schedule(static)")                                        \
-        for (int64_t block = 0; block < blocks; block++) {                                  \
-            int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;         \
-            for (int64_t n = block * ROW_BLOCK; n < end; n++)                               \
-                CALL_ROWS(ROW, w + n * K, K, x, T, y + n, N)                                \
-        }                                                                                   \
+#define GEMV(NAME, WTYPE, KERNEL)                                                             \
+    void NAME(const WTYPE* w, int64_t N, int64_t K, const float* x, int64_t T, float* y) {    \
+        int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;                                     \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t block = 0; block < blocks; block++) {                                    \
+            int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;           \
+            for (int64_t n = block * ROW_BLOCK; n < end; n += TILE_W) {                       \
+                if (end - n >= TILE_W) {                                                      \
+                    CALL_TILE(KERNEL, TILE_W, w + n * K, K, x, T, y + n, N)                   \
+                } else {                                                                      \
+                    for (int64_t r = n; r < end; r++)                                         \
+                        CALL_TILE(KERNEL, 1, w + r * K, K, x, T, y + r, N)                    \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
     }
 
 /* y (T, N) float32 = x (T, K) float32 times W (N, K) float32, transposed. */
-GEMV(foveal_gemv_f32, float, row_f32)
+GEMV(foveal_gemv_f32, float, tile_f32)
 /* The same with W in bfloat16 (raw 16-bit words); x stays float32. */
-GEMV(foveal_gemv_bf16, uint16_t, row_bf16)
+GEMV(foveal_gemv_bf16, uint16_t, tile_bf16)
 
 /* ---------------------------------------------------------------- int8 (exact) */
 
@@ -248,8 +278,9 @@ GEMV(foveal_gemv_bf16, uint16_t, row_bf16)
  * 128 times the row's sum to each dot product: the first group of rows (first = 1)
  * sums it in the same pass into *correction, later groups reuse it. */
 static inline __attribute__((always_inline)) void row_s8(const int8_t* w, int64_t K, const uint8_t* xu,
-                                                          int64_t T, int32_t* out, int64_t stride,
-                                                          int32_t* correction, int first) {
+                                                          int32_t* out, int64_t stride,
+                                                          int32_t* correction, int first,
+                                                          const int T) {
     __m512i acc[GROUP_ROWS][2], off[2];
     const __m512i offset = _mm512_set1_epi8((char)0x80);  /* 128 as an unsigned byte */
     off[0] = off[1] = _mm512_setzero_si512();
@@ -294,11 +325,10 @@ int foveal_gemv_s8(const int8_t* w, int64_t N, int64_t K, const int8_t* xq, int6
         int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
         for (int64_t n = block * ROW_BLOCK; n < end; n++) {
             int32_t correction = 0;
-            CALL_GROUP(row_s8, T < GROUP_ROWS ? T : GROUP_ROWS, w + n * K, K, xu, y + n, N,
-                       &correction, 1)  /* the first group sums the correction */
-            if (T > GROUP_ROWS)
-                CALL_ROWS(row_s8, w + n * K, K, xu + GROUP_ROWS * K, T - GROUP_ROWS,
-                          y + n + GROUP_ROWS * N, N, &correction, 0)
+            /* the first group sums the correction, the later ones reuse it */
+            for (int64_t t0 = 0; t0 < T; t0 += GROUP_ROWS)
+                CALL_GROUP(row_s8, T - t0 < GROUP_ROWS ? T - t0 : GROUP_ROWS, w + n * K, K,
+                           xu + t0 * K, y + n + t0 * N, N, &correction, t0 == 0)
         }
     }
     free(xu);

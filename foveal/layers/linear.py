@@ -14,6 +14,7 @@ from torch import nn
 
 from foveal.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
 from foveal.errors import CheckpointError, ConfigError
+from foveal.forward_context import decode_step
 from foveal.kernels.native import native_kernels
 from foveal.layers.op_registry import module_by_key, register_module
 from foveal.layers.quantization import int8_linear
@@ -165,8 +166,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 def apply_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b with the layer's weight: its int8 copy (--quantization int8) or
-    its oneDNN-blocked copy when it has one. Inside torch.compile (a compiled decode
+    """x W^T + b with the layer's weight: its int8 copy (--quantization int8), the native
+    tile kernel for an fp32 layer in a pure decode step of at most `native_rows` rows, or
+    oneDNN on the weight prepack_weights gave it. Inside torch.compile (a compiled decode
     step, at most a few rows): a dense weight is read by a loop Inductor generates
     and fuses with its neighbours; other weights through the `foveal::linear` op."""
     if torch.compiler.is_compiling():
@@ -178,6 +180,10 @@ def _eager_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) 
     if getattr(layer, "int8_weight", None) is not None:
         return int8_linear(x, layer.int8_weight, layer.int8_scale, bias,
                            getattr(layer, "int8_fbgemm", None), getattr(layer, "native_gemv", False))
+    if 0 < x.numel() <= getattr(layer, "native_rows", 0) * x.shape[-1] and decode_step():
+        out = native_kernels().gemv(x.reshape(-1, x.shape[-1]).contiguous(), layer.packed_weight)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out + bias if bias is not None else out
     if layer.packed_weight is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias,
                                                   "none", [], "")
@@ -289,6 +295,16 @@ def packs_bf16() -> bool:
 
 
 LINEAR_LAYOUTS = ("packed", "dense")
+# In pure decode steps of up to this many rows, eager fp32 layers run the native tile kernel
+# (foveal/kernels) on their dense weight; larger steps oneDNN on the same weight. Over a
+# decode step's weights it took 0.76-0.91x oneDNN's time at 2-32 rows and about 1x at 48-64
+# (docs/benchmarks.md, "Native decode kernels"). Prompt rows (prefill and mixed steps) and
+# the vision tower stay on oneDNN, whose fp32 GEMM gives a row the same bits at any row
+# count from 2 up: a prefix-cache hit or another chunking leaves a prompt's numbers as
+# they were. The tile kernel's bits do not depend on the row count either, so a decode
+# token gets the same bits at any batch size up to this one (oneDNN's one-row path did not
+# match its larger calls).
+NATIVE_F32_ROWS = 32
 
 
 def linear_layout() -> str:
@@ -303,23 +319,27 @@ def linear_layout() -> str:
 
 
 def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
-    """Give every float32 CPU linear layer (and the LM head) a oneDNN-blocked copy
-    of its weight, used by forward() from then on; returns how many were packed.
-    bfloat16 layers too, on CPUs with bf16 instructions. Nothing is packed with
+    """Give every float32 CPU linear layer (and the LM head) the weight oneDNN runs
+    forward() on from then on; returns how many got one. Where the native kernels are
+    built, that is the layer's dense weight itself, and eager pure decode steps of up to
+    NATIVE_F32_ROWS rows run the native tile kernel on it instead (`native_rows`);
+    elsewhere a oneDNN-blocked copy replaces the dense weight. bfloat16
+    layers get a blocked copy on CPUs with bf16 instructions. Nothing is packed with
     FOVEAL_LINEAR_LAYOUT=dense.
 
-    Why: on an AMD EPYC (avx512_bf16, no AMX), oneDNN's blocked GEMM runs
-    1.5-2.5x faster than the dense `F.linear` path at every batch size (decode GEMVs
-    included; see docs/benchmarks.md); in bf16, 2-3.6x faster than fp32 blocked where the CPU
-    has bf16 dot products. The dense weight of a linear layer is released, since
-    only forward() reads it; the LM head keeps it (a tied embedding shares it), and an
-    fp32 head runs oneDNN on it rather than on a second, blocked copy (as fast at
-    decode sizes). For inference only: weight loading and export need the dense layout.
-    keep_dense: keep the dense fp32 / bf16 weights too (compiled decode steps read them).
+    Why: on an AMD EPYC (avx512_bf16, no AMX), oneDNN's GEMM runs 1.5-2.5x faster than
+    the dense `F.linear` path at every batch size (decode GEMVs included; see
+    docs/benchmarks.md), on its blocked layout or (fp32, 0.9-1.1x) the dense one; in
+    bf16, blocked runs 2-3.6x faster than fp32 where the CPU has bf16 dot products. A
+    blocked copy releases the layer's dense weight, since only forward() reads it; the
+    LM head always keeps its dense weight (a tied embedding shares it), and an fp32 head
+    runs on it too. For inference only: weight loading and export need the dense layout.
+    keep_dense: keep the dense weight beside a blocked copy (compiled decode steps read it).
     """
     if not torch.backends.mkldnn.is_available() or linear_layout() == "dense":
         return 0
     dtypes = (torch.float32, torch.bfloat16) if packs_bf16() else (torch.float32,)
+    native = native_kernels() is not None
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -329,12 +349,15 @@ def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
             continue
         if getattr(module, "int8_weight", None) is not None:  # forward() reads the int8 copy
             continue
-        if not isinstance(module, LinearBase) and weight.dtype == torch.float32:
-            # The LM head keeps its dense weight (a tied embedding shares it, the model
-            # reads its dtype and device), and oneDNN runs fp32 on that layout as fast as
-            # on a blocked copy at decode sizes (32000 x 896: 0.93-1.24x, about 1.0, at 1-16 rows,
-            # docs/benchmarks.md "Linear weight layout"): no second copy.
+        if weight.dtype == torch.float32 and (native or not isinstance(module, LinearBase)):
+            # oneDNN runs fp32 on the dense layout as fast as on a blocked copy (0.9-1.1x
+            # from 1 to 2,048 rows, docs/benchmarks.md "Linear weight layout"), so an fp32
+            # layer keeps its dense weight where the native kernels take its decode rows,
+            # and the LM head always does (a tied embedding shares it, the model reads
+            # its dtype and device): no second copy.
             module.packed_weight = weight.detach()
+            if native and isinstance(module, LinearBase):
+                module.native_rows = NATIVE_F32_ROWS
             count += 1
             continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)

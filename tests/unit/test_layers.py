@@ -163,8 +163,9 @@ def test_segment_attention_keeps_segments_apart():
 
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_prepacked_linear_layers_match_f_linear_in_their_dtype(monkeypatch, native_bf16):
-    """fp32 layers always get oneDNN's blocked weights; bf16 ones only on CPUs with
-    bf16 instructions (elsewhere the blocked bf16 GEMM is emulated, and slow)."""
+    """fp32 layers always get a oneDNN weight (their dense one where the native kernels
+    are built, a blocked copy elsewhere); bf16 ones only on CPUs with bf16 instructions
+    (elsewhere the blocked bf16 GEMM is emulated, and slow)."""
     from foveal import cpu_features
     from foveal.layers.linear import ReplicatedLinear, prepack_weights
 
@@ -207,6 +208,49 @@ def test_fp32_lm_head_runs_onednn_on_its_dense_weight_without_a_copy():
     head = model["head"]
     assert head.packed_weight.data_ptr() == embedding.weight.data_ptr()  # no copy
     torch.testing.assert_close(head(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_layers_keep_their_dense_weight_and_run_decode_steps_on_the_native_kernel(
+        monkeypatch, bias):
+    """Where the native kernels are built, an fp32 layer keeps its dense weight (no blocked
+    copy): pure decode steps of up to NATIVE_F32_ROWS rows run the native tile kernel on
+    it; larger steps, prompt rows (a step with a longer query) and calls outside a step
+    (the vision tower) run oneDNN on the same tensor. All equal F.linear, 2-D and 3-D."""
+    from types import SimpleNamespace
+
+    from foveal.forward_context import forward_context
+    from foveal.kernels.native import NativeKernels, native_kernels
+    from foveal.layers.linear import NATIVE_F32_ROWS, ReplicatedLinear, prepack_weights
+
+    assert native_kernels() is not None, "the native kernels did not build on this x86 machine"
+    calls = []
+    gemv = NativeKernels.gemv
+    monkeypatch.setattr(NativeKernels, "gemv", lambda self, x, w: calls.append(x.shape[0]) or gemv(self, x, w))
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(96, 40, bias=bias)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    dense = layer.weight.data_ptr()
+    assert prepack_weights(layer) == 1
+    assert layer.packed_weight.data_ptr() == dense and layer.native_rows == NATIVE_F32_ROWS
+    steps = {"decode": SimpleNamespace(max_query_len=1), "prefill": SimpleNamespace(max_query_len=7),
+             "none": None}
+    for step, metadata in steps.items():
+        for shape in [(1, 96), (7, 96), (NATIVE_F32_ROWS, 96), (2, 5, 96), (NATIVE_F32_ROWS + 1, 96),
+                      (300, 96)]:
+            x = torch.randn(shape)
+            calls.clear()
+            if step == "none":
+                out = layer(x)
+            else:
+                with forward_context(metadata, []):
+                    out = layer(x)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                       rtol=1e-5, atol=1e-4)
+            rows = x.numel() // 96
+            assert calls == ([rows] if step == "decode" and rows <= NATIVE_F32_ROWS else []), (step, shape)
 
 
 def test_linear_layout_dense_keeps_dense_weights_and_rejects_unknown_names(monkeypatch):

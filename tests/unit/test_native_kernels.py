@@ -1,5 +1,7 @@
-"""The native decode kernels (foveal/kernels): GEMVs of a few rows in float32, bfloat16
-and exact int8 (one to three groups of GROUP_ROWS rows, partial groups included), and the pure-decode paged attention with its KV write, against torch
+"""The native decode kernels (foveal/kernels): the float32 / bfloat16 tile kernel from one
+to NATIVE_F32_ROWS rows and exact int8 (one to three groups of GROUP_ROWS rows, partial
+groups and partial tiles of weight rows included), and the pure-decode paged attention
+with its KV write, against torch
 on the same inputs; their argument checks; and engines built with and without them
 giving the same tokens (images, GQA, sliding windows, int8 weights, preemption)."""
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from foveal import LLM, SamplingParams
 from foveal.kernels import native
 from foveal.kernels.native import GROUP_ROWS, native_kernels
+from foveal.layers.linear import NATIVE_F32_ROWS
 from foveal.layers.quantization import int8_kernel
 from tests.models.test_gemma3_engine import _image, _user
 
@@ -51,7 +54,7 @@ def test_disabled_by_environment():
 ROWS = [*range(1, 2 * GROUP_ROWS + 2), 3 * GROUP_ROWS]  # whole and partial groups
 
 
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", [*ROWS, 17, NATIVE_F32_ROWS - 1, NATIVE_F32_ROWS])
 @pytest.mark.parametrize("in_features", [896, 100, 37, 4864])  # whole vectors, tails, long rows
 def test_gemv_matches_linear(kernels, rows, in_features):
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
@@ -61,6 +64,29 @@ def test_gemv_matches_linear(kernels, rows, in_features):
     bf16 = weight.bfloat16()
     torch.testing.assert_close(kernels.gemv(x, bf16), F.linear(x, bf16.float()), rtol=1e-5,
                                atol=3e-4)
+
+
+def test_gemv_gives_a_row_the_same_bits_at_any_row_count(kernels):
+    """A row's result does not depend on how many rows share the call (its sums run in
+    the same order in every group of rows): a decode token gets the same bits at any
+    batch size the kernel serves."""
+    generator = torch.Generator().manual_seed(7)
+    for weight in (torch.randn(531, 896, generator=generator),
+                   torch.randn(531, 896, generator=generator).bfloat16()):
+        x = torch.randn(NATIVE_F32_ROWS, 896, generator=generator)
+        full = kernels.gemv(x, weight)
+        for rows in range(1, NATIVE_F32_ROWS):
+            assert torch.equal(kernels.gemv(x[-rows:].contiguous(), weight), full[-rows:]), rows
+
+
+@pytest.mark.parametrize("out_features", [1, 2, 3, 5, 6, 7])
+def test_gemv_on_fewer_weight_rows_than_a_tile(kernels, out_features):
+    """Weight matrices smaller than one tile (TILE_W rows) and one row block."""
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 64, generator=generator)
+    for rows in (1, 5):
+        x = torch.randn(rows, 64, generator=generator)
+        torch.testing.assert_close(kernels.gemv(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", ROWS)
