@@ -3,14 +3,17 @@
  * machine's C compiler for the CPU it runs on (foveal/kernels/native.py).
  *
  * At one row a decode step reads every weight once for two flops per weight, so it is
- * bound by memory bandwidth; from ~8 rows on the arithmetic counts as much. The float
- * kernels work in tiles of TILE_W weight rows by up to GROUP_ROWS input rows, summed
+ * bound by memory bandwidth; from ~8 rows on the arithmetic counts as much. The fp32
+ * kernel works in tiles of TILE_W weight rows by up to GROUP_ROWS input rows, summed
  * over K in vectors with one accumulator per pair: every weight vector loaded serves
  * all the tile's input rows and every input vector all its weight rows, each weight row
  * is read from memory once (the later groups of input rows find it in the cache), and
  * the next tile's weights are prefetched while this one computes. Measured over a
  * whole decode step's weights (docs/benchmarks.md, "Native decode kernels"): as fast
  * as oneDNN's fp32 GEMM at one row, 0.76-0.91x its time at 2-32 rows, equal at 48-64.
+ * The bf16 kernel (compiled steps of 1-4 rows) takes one weight row at a time.
+ * Either way a row's sums run in the same order whatever the number of rows, so a
+ * row's result does not depend on the rows beside it.
  *
  * The int8 kernel is exact: int8 x int8 products summed in int32 with AVX-512
  * VNNI (x is offset to unsigned and the offset times the weight row's sum
@@ -227,7 +230,58 @@ static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 #endif
 
 TILE_KERNEL(tile_f32, float, vload_f32, load_f32)
-TILE_KERNEL(tile_bf16, uint16_t, vload_bf16, load_bf16)
+
+/* One weight row against TR input rows (bfloat16 weights): four accumulators per input
+ * row over consecutive vectors of K hide the FMA latency, and the weight stream is
+ * prefetched PREFETCH_BYTES ahead (non-temporal). For bf16 this beat the tile kernel
+ * (the same loop over four weight rows at once): 0.73x its time at one row, 0.79x at two
+ * over a decode step's weights; fp32 streams as fast either way. */
+#if ISA
+#define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
+    static inline __attribute__((always_inline)) void NAME(                                 \
+        const WTYPE* w, int64_t K, const float* x, float* out, int64_t stride, const int TR) { \
+        vec acc[GROUP_ROWS][4];                                                             \
+        for (int t = 0; t < TR; t++)                                                        \
+            for (int u = 0; u < 4; u++) acc[t][u] = vzero();                                \
+        int64_t k = 0;                                                                      \
+        for (; k + 4 * LANES <= K; k += 4 * LANES) {                                        \
+            for (int64_t b = 0; b < 4 * LANES * (ELEM_BYTES); b += 64)                      \
+                prefetch_nta((const char*)(w + k) + PREFETCH_BYTES + b);                    \
+            vec w0 = WLOAD(w + k), w1 = WLOAD(w + k + LANES);                               \
+            vec w2 = WLOAD(w + k + 2 * LANES), w3 = WLOAD(w + k + 3 * LANES);               \
+            for (int t = 0; t < TR; t++) {                                                  \
+                const float* xt = x + t * K + k;                                            \
+                acc[t][0] = vfma(w0, vload_f32(xt), acc[t][0]);                             \
+                acc[t][1] = vfma(w1, vload_f32(xt + LANES), acc[t][1]);                     \
+                acc[t][2] = vfma(w2, vload_f32(xt + 2 * LANES), acc[t][2]);                 \
+                acc[t][3] = vfma(w3, vload_f32(xt + 3 * LANES), acc[t][3]);                 \
+            }                                                                               \
+        }                                                                                   \
+        for (; k + LANES <= K; k += LANES) {                                                \
+            vec w0 = WLOAD(w + k);                                                          \
+            for (int t = 0; t < TR; t++)                                                    \
+                acc[t][0] = vfma(w0, vload_f32(x + t * K + k), acc[t][0]);                  \
+        }                                                                                   \
+        for (int t = 0; t < TR; t++) {                                                      \
+            float s = vsum(acc[t][0]) + vsum(acc[t][1]) + vsum(acc[t][2]) + vsum(acc[t][3]); \
+            for (int64_t r = k; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
+            out[t * stride] = s;                                                            \
+        }                                                                                   \
+    }
+#else
+#define ROW_KERNEL(NAME, WTYPE, WLOAD, WSCALAR, ELEM_BYTES)                                  \
+    static inline void NAME(const WTYPE* w, int64_t K, const float* x, float* out,          \
+                            int64_t stride, const int TR) {                                 \
+        for (int t = 0; t < TR; t++) {                                                      \
+            float s = 0.0f;                                                                 \
+            for (int64_t r = 0; r < K; r++) s += WSCALAR(w + r) * x[t * K + r];             \
+            out[t * stride] = s;                                                            \
+        }                                                                                   \
+    }
+#endif
+
+ROW_KERNEL(row_bf16, uint16_t, vload_bf16, load_bf16, 2)
+
 
 /* Weight rows are handed to threads in blocks, each thread one contiguous range. */
 #define ROW_BLOCK 16
@@ -268,8 +322,19 @@ TILE_KERNEL(tile_bf16, uint16_t, vload_bf16, load_bf16)
 
 /* y (T, N) float32 = x (T, K) float32 times W (N, K) float32, transposed. */
 GEMV(foveal_gemv_f32, float, tile_f32)
-/* The same with W in bfloat16 (raw 16-bit words); x stays float32. */
-GEMV(foveal_gemv_bf16, uint16_t, tile_bf16)
+
+/* The same with W in bfloat16 (raw 16-bit words; x stays float32), a weight row at a time. */
+void foveal_gemv_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t T, float* y) {
+    int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t end = (block + 1) * ROW_BLOCK < N ? (block + 1) * ROW_BLOCK : N;
+        for (int64_t n = block * ROW_BLOCK; n < end; n++)
+            for (int64_t t0 = 0; t0 < T; t0 += GROUP_ROWS)
+                CALL_GROUP(row_bf16, T - t0 < GROUP_ROWS ? T - t0 : GROUP_ROWS, w + n * K, K,
+                           x + t0 * K, y + n + t0 * N, N)
+    }
+}
 
 /* ---------------------------------------------------------------- int8 (exact) */
 
