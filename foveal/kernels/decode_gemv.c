@@ -55,34 +55,17 @@ int foveal_has_int8(void) {
 #endif
 }
 
-static inline void prefetch_nta(const void* p) {
+/* Prefetch the cache line at p with a hint (_MM_HINT_NTA / T0 / T1); nothing without SIMD. */
 #if ISA
-    _mm_prefetch((const char*)p, _MM_HINT_NTA);
+#define PREFETCH(p, HINT) _mm_prefetch((const char*)(p), HINT)
 #else
-    (void)p;
+#define PREFETCH(p, HINT) ((void)(p))
 #endif
-}
-
-static inline void prefetch_t1(const void* p) {
-#if ISA
-    _mm_prefetch((const char*)p, _MM_HINT_T1);
-#else
-    (void)p;
-#endif
-}
-
-static inline void prefetch_t0(const void* p) {
-#if ISA
-    _mm_prefetch((const char*)p, _MM_HINT_T0);
-#else
-    (void)p;
-#endif
-}
 
 static inline void prefetch_rows(const void* key, const void* value, int64_t bytes) {
     for (int64_t byte = 0; byte < bytes; byte += 64) {
-        prefetch_t0((const char*)key + byte);
-        prefetch_t0((const char*)value + byte);
+        PREFETCH((const char*)key + byte, _MM_HINT_T0);
+        PREFETCH((const char*)value + byte, _MM_HINT_T0);
     }
 }
 
@@ -199,7 +182,7 @@ static inline float load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
         for (; k + LANES <= K; k += LANES) {                                                  \
             vec wv[TILE_W];                                                                   \
             for (int r = 0; r < WR; r++) {                                                    \
-                prefetch_t1(w + (WR + r) * K + k);                                            \
+                PREFETCH(w + (WR + r) * K + k, _MM_HINT_T1);                                  \
                 wv[r] = WLOAD(w + r * K + k);                                                 \
                 __asm__("" : "+v"(wv[r]));                                                    \
             }                                                                                 \
@@ -246,7 +229,7 @@ TILE_KERNEL(tile_f32, float, vload_f32, load_f32)
         int64_t k = 0;                                                                      \
         for (; k + 4 * LANES <= K; k += 4 * LANES) {                                        \
             for (int64_t b = 0; b < 4 * LANES * (ELEM_BYTES); b += 64)                      \
-                prefetch_nta((const char*)(w + k) + PREFETCH_BYTES + b);                    \
+                PREFETCH((const char*)(w + k) + PREFETCH_BYTES + b, _MM_HINT_NTA);          \
             vec w0 = WLOAD(w + k), w1 = WLOAD(w + k + LANES);                               \
             vec w2 = WLOAD(w + k + 2 * LANES), w3 = WLOAD(w + k + 3 * LANES);               \
             for (int t = 0; t < TR; t++) {                                                  \
@@ -352,8 +335,8 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t* w, int64_
     for (int64_t t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
     int64_t k = 0;
     for (; k + 128 <= K; k += 128) {
-        prefetch_nta(w + k + PREFETCH_BYTES);
-        prefetch_nta(w + k + PREFETCH_BYTES + 64);
+        PREFETCH(w + k + PREFETCH_BYTES, _MM_HINT_NTA);
+        PREFETCH(w + k + PREFETCH_BYTES + 64, _MM_HINT_NTA);
         __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 64);
         if (first) {
             off[0] = _mm512_dpbusd_epi32(off[0], offset, w0);
