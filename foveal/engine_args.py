@@ -101,10 +101,10 @@ class EngineArgs:
         if device == "cpu":
             from foveal import allocator
             from foveal.cpu_features import cpu_features
-            from foveal.layers.linear import linear_layout
+            from foveal.layers.linear import describe_linear_layout
 
             logger.info("CPU: %s; dtype %s -> %s; linear weights %s; allocator %s",
-                        cpu_features().describe(), self.dtype, dtype, linear_layout(),
+                        cpu_features().describe(), self.dtype, dtype, describe_linear_layout(),
                         allocator.describe())
             if quantization == "int8":
                 from foveal.layers.quantization import int8_kernel

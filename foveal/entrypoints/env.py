@@ -12,14 +12,14 @@ def collect() -> dict:
     from foveal import allocator
     from foveal.bench.machine import machine_info
     from foveal.kernels.native import native_kernels
-    from foveal.layers.linear import linear_layout
+    from foveal.layers.linear import describe_linear_layout
 
     kernels = native_kernels()
     info = {"python": sys.version.split()[0], **machine_info(load=False),
             "allocator_detail": allocator.describe(),
             "native_kernels": (f"{kernels.isa}-bit vectors" + (", int8 VNNI" if kernels.has_int8 else "")
                                if kernels is not None else "none"),
-            "linear_layout": linear_layout()}
+            "linear_layout": describe_linear_layout()}
     try:
         import transformers
 

@@ -318,6 +318,17 @@ def linear_layout() -> str:
     return choice
 
 
+def describe_linear_layout() -> str:
+    """What prepack_weights gives CPU linear layers here, for the start-up log and
+    `foveal env`."""
+    if linear_layout() == "dense":
+        return "dense (F.linear; FOVEAL_LINEAR_LAYOUT=dense)"
+    fp32 = (f"fp32 dense, decode steps of up to {NATIVE_F32_ROWS} rows on the native tile kernel"
+            if native_kernels() is not None else "fp32 oneDNN-blocked")
+    bf16 = "bf16 oneDNN-blocked" if packs_bf16() else "bf16 dense"
+    return f"packed ({fp32}; {bf16})"
+
+
 def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
     """Give every float32 CPU linear layer (and the LM head) the weight oneDNN runs
     forward() on from then on; returns how many got one. Where the native kernels are

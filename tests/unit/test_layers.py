@@ -275,3 +275,15 @@ def test_linear_layout_dense_keeps_dense_weights_and_rejects_unknown_names(monke
     monkeypatch.setenv("FOVEAL_LINEAR_LAYOUT", "blocked")
     with pytest.raises(ConfigError, match="FOVEAL_LINEAR_LAYOUT"):
         prepack_weights(layer)
+
+
+def test_the_linear_layout_is_described_as_prepack_weights_applies_it(monkeypatch):
+    """The start-up log and `foveal env` say what fp32 layers run on: the native tile
+    kernel where it is built, dense F.linear with FOVEAL_LINEAR_LAYOUT=dense."""
+    from foveal.kernels.native import native_kernels
+    from foveal.layers.linear import NATIVE_F32_ROWS, describe_linear_layout
+
+    assert native_kernels() is not None, "the native kernels did not build on this x86 machine"
+    assert f"up to {NATIVE_F32_ROWS} rows on the native tile kernel" in describe_linear_layout()
+    monkeypatch.setenv("FOVEAL_LINEAR_LAYOUT", "dense")
+    assert describe_linear_layout().startswith("dense")
