@@ -102,6 +102,9 @@ class ForwardContext:
     # With KV cache groups, per decoder layer the layout over its group's block
     # tables (attn_metadata is group 0's); None: attn_metadata for every layer.
     layer_metadata: list[AttentionMetadata] | None = None
+    # True when every row of the step is a generated token or a draft (decode and
+    # speculative verify steps), none a prompt token.
+    generated_rows: bool = False
 
     def metadata_for(self, layer_idx: int) -> AttentionMetadata | None:
         if self.layer_metadata is None:
@@ -116,11 +119,11 @@ _current: ForwardContext | None = None
 def forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
                     kv_scales: list[torch.Tensor] | None = None,
                     static_shapes: bool = False,
-                    layer_metadata: list[AttentionMetadata] | None = None
-                    ) -> Iterator[ForwardContext]:
+                    layer_metadata: list[AttentionMetadata] | None = None,
+                    generated_rows: bool = False) -> Iterator[ForwardContext]:
     global _current
     previous, _current = _current, ForwardContext(attn_metadata, kv_caches, kv_scales,
-                                                  static_shapes, layer_metadata)
+                                                  static_shapes, layer_metadata, generated_rows)
     try:
         yield _current
     finally:
@@ -133,11 +136,11 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
-def decode_step() -> bool:
-    """Whether the running step is a pure decode step (one new token per request);
-    False outside any forward context."""
-    return (_current is not None and _current.attn_metadata is not None
-            and _current.attn_metadata.max_query_len == 1)
+def generated_rows() -> bool:
+    """Whether every row of the running step is a generated token or a draft (a decode or
+    speculative verify step; ForwardContext.generated_rows); False outside any forward
+    context."""
+    return _current is not None and _current.generated_rows
 
 
 def static_shapes() -> bool:

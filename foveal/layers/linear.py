@@ -14,7 +14,7 @@ from torch import nn
 
 from foveal.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
 from foveal.errors import CheckpointError, ConfigError
-from foveal.forward_context import decode_step
+from foveal.forward_context import generated_rows
 from foveal.kernels.native import native_kernels
 from foveal.layers.op_registry import module_by_key, register_module
 from foveal.layers.quantization import int8_linear
@@ -167,8 +167,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 def apply_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b with the layer's weight: its int8 copy (--quantization int8), the native
-    tile kernel for an fp32 layer in a pure decode step of at most `native_rows` rows, or
-    oneDNN on the weight prepack_weights gave it. Inside torch.compile (a compiled decode
+    tile kernel for an fp32 layer in a step of at most `native_rows` generated rows (decode,
+    speculative verify), or oneDNN on the weight prepack_weights gave it. Inside torch.compile (a compiled decode
     step, at most a few rows): a dense weight is read by a loop Inductor generates
     and fuses with its neighbours; other weights through the `foveal::linear` op."""
     if torch.compiler.is_compiling():
@@ -180,7 +180,7 @@ def _eager_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) 
     if getattr(layer, "int8_weight", None) is not None:
         return int8_linear(x, layer.int8_weight, layer.int8_scale, bias,
                            getattr(layer, "int8_fbgemm", None), getattr(layer, "native_gemv", False))
-    if 0 < x.numel() <= getattr(layer, "native_rows", 0) * x.shape[-1] and decode_step():
+    if 0 < x.numel() <= getattr(layer, "native_rows", 0) * x.shape[-1] and generated_rows():
         out = native_kernels().gemv(x.reshape(-1, x.shape[-1]).contiguous(), layer.packed_weight)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out + bias if bias is not None else out
@@ -295,15 +295,17 @@ def packs_bf16() -> bool:
 
 
 LINEAR_LAYOUTS = ("packed", "dense")
-# In pure decode steps of up to this many rows, eager fp32 layers run the native tile kernel
-# (foveal/kernels) on their dense weight; larger steps oneDNN on the same weight. Over a
-# decode step's weights it took 0.76-0.91x oneDNN's time at 2-32 rows and about 1x at 48-64
-# (docs/benchmarks.md, "Native decode kernels"). Prompt rows (prefill and mixed steps) and
-# the vision tower stay on oneDNN, whose fp32 GEMM gives a row the same bits at any row
-# count from 2 up: a prefix-cache hit or another chunking leaves a prompt's numbers as
-# they were. The tile kernel's bits do not depend on the row count either, so a decode
-# token gets the same bits at any batch size up to this one (oneDNN's one-row path did not
-# match its larger calls).
+# In steps of up to this many rows that are all generated tokens or drafts (decode and
+# speculative verify steps), eager fp32 layers run the native tile kernel (foveal/kernels)
+# on their dense weight; other steps oneDNN on the same weight. Over a decode step's
+# weights it took 0.76-0.91x oneDNN's time at 2-32 rows and about 1x at 48-64
+# (docs/benchmarks.md, "Native decode kernels"). Prompt tokens (prefill, mixed steps, the
+# last prompt token after a full prefix-cache hit) and the vision tower stay on oneDNN,
+# whose fp32 GEMM gives a row the same bits at any row count from 2 up: a partial
+# prefix-cache hit or another chunking leaves a prompt's numbers as they were. The tile
+# kernel's bits do not depend on the row count either, so a generated token gets the same
+# bits at any batch size up to this one, with or without speculation (oneDNN's one-row
+# path did not match its larger calls).
 NATIVE_F32_ROWS = 32
 
 
@@ -332,8 +334,8 @@ def describe_linear_layout() -> str:
 def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
     """Give every float32 CPU linear layer (and the LM head) the weight oneDNN runs
     forward() on from then on; returns how many got one. Where the native kernels are
-    built, that is the layer's dense weight itself, and eager pure decode steps of up to
-    NATIVE_F32_ROWS rows run the native tile kernel on it instead (`native_rows`);
+    built, that is the layer's dense weight itself, and eager decode and verify steps of up
+    to NATIVE_F32_ROWS rows run the native tile kernel on it instead (`native_rows`);
     elsewhere a oneDNN-blocked copy replaces the dense weight. bfloat16
     layers get a blocked copy on CPUs with bf16 instructions. Nothing is packed with
     FOVEAL_LINEAR_LAYOUT=dense.

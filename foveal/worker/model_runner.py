@@ -71,6 +71,8 @@ class Batch:
     logits_indices: torch.Tensor  # (N,) int64: rows to sample: each sampled request's
     # last known token and its drafts
     sampled: list[ScheduledRequest]
+    # every row a generated token or a draft, none a prompt token (decode and verify steps)
+    generated_rows: bool = False
 
 
 class ModelRunner:
@@ -170,7 +172,8 @@ class ModelRunner:
         caches, scales = self.kv_caches.by_layer
         with forward_context(batch.attn_metadata, caches, scales,
                              layer_metadata=layer_metadata(self.kv_caches.spec.layer_groups,
-                                                           batch.group_metadata)):
+                                                           batch.group_metadata),
+                             generated_rows=batch.generated_rows):
             if self.compiled_decode is not None and not aux_layers:
                 hidden_states = self.compiled_decode.run(inputs_embeds, batch.positions)
                 if hidden_states is not None:
@@ -322,7 +325,8 @@ class ModelRunner:
             group_metadata=group_metadata,
             logits_indices=self._to_device(np.concatenate(logits_indices or [np.zeros(0, int)])
                                            .astype(np.int64)),
-            sampled=[item for item, m in zip(scheduled, sampled_mask.tolist()) if m])
+            sampled=[item for item, m in zip(scheduled, sampled_mask.tolist()) if m],
+            generated_rows=all(s.num_computed_tokens >= s.num_prompt_positions for s in states))
 
     def _positions(self, states: list[RequestState], starts: np.ndarray,
                    num_new: np.ndarray, token_index: np.ndarray) -> np.ndarray:

@@ -211,14 +211,12 @@ def test_fp32_lm_head_runs_onednn_on_its_dense_weight_without_a_copy():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp32_layers_keep_their_dense_weight_and_run_decode_steps_on_the_native_kernel(
+def test_fp32_layers_keep_their_dense_weight_and_run_generated_rows_on_the_native_kernel(
         monkeypatch, bias):
     """Where the native kernels are built, an fp32 layer keeps its dense weight (no blocked
-    copy): pure decode steps of up to NATIVE_F32_ROWS rows run the native tile kernel on
-    it; larger steps, prompt rows (a step with a longer query) and calls outside a step
-    (the vision tower) run oneDNN on the same tensor. All equal F.linear, 2-D and 3-D."""
-    from types import SimpleNamespace
-
+    copy): steps of up to NATIVE_F32_ROWS rows that are all generated tokens or drafts run
+    the native tile kernel on it; larger steps, steps with prompt rows and calls outside a
+    step (the vision tower) run oneDNN on the same tensor. All equal F.linear, 2-D and 3-D."""
     from foveal.forward_context import forward_context
     from foveal.kernels.native import NativeKernels, native_kernels
     from foveal.layers.linear import NATIVE_F32_ROWS, ReplicatedLinear, prepack_weights
@@ -235,9 +233,7 @@ def test_fp32_layers_keep_their_dense_weight_and_run_decode_steps_on_the_native_
     dense = layer.weight.data_ptr()
     assert prepack_weights(layer) == 1
     assert layer.packed_weight.data_ptr() == dense and layer.native_rows == NATIVE_F32_ROWS
-    steps = {"decode": SimpleNamespace(max_query_len=1), "prefill": SimpleNamespace(max_query_len=7),
-             "none": None}
-    for step, metadata in steps.items():
+    for step in ("generated", "prompt", "none"):
         for shape in [(1, 96), (7, 96), (NATIVE_F32_ROWS, 96), (2, 5, 96), (NATIVE_F32_ROWS + 1, 96),
                       (300, 96)]:
             x = torch.randn(shape)
@@ -245,12 +241,12 @@ def test_fp32_layers_keep_their_dense_weight_and_run_decode_steps_on_the_native_
             if step == "none":
                 out = layer(x)
             else:
-                with forward_context(metadata, []):
+                with forward_context(None, [], generated_rows=step == "generated"):
                     out = layer(x)
             torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
                                        rtol=1e-5, atol=1e-4)
             rows = x.numel() // 96
-            assert calls == ([rows] if step == "decode" and rows <= NATIVE_F32_ROWS else []), (step, shape)
+            assert calls == ([rows] if step == "generated" and rows <= NATIVE_F32_ROWS else []), (step, shape)
 
 
 def test_linear_layout_dense_keeps_dense_weights_and_rejects_unknown_names(monkeypatch):

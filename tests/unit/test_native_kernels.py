@@ -219,7 +219,7 @@ def test_engine_with_native_kernels_matches_without(tiny_checkpoints, monkeypatc
                                                    options):
     """Decode steps on the native attention (and int8 GEMV) give the tokens of the
     engine that runs torch's ops, with logprobs equal up to summation order."""
-    calls = {"decode_attention": 0, "gemv_int8": 0}
+    calls = {"decode_attention": 0, "gemv_int8": 0, "gemv": 0}
     int8_rows = []
     for name in calls:
         def counted(self, *args, _name=name, _method=getattr(native.NativeKernels, name), **kwargs):
@@ -232,9 +232,11 @@ def test_engine_with_native_kernels_matches_without(tiny_checkpoints, monkeypatc
     path = tiny_checkpoints(preset)
     with native_disabled():
         expected = _generate(path, **options)
-    assert calls == {"decode_attention": 0, "gemv_int8": 0}
+    assert calls == {"decode_attention": 0, "gemv_int8": 0, "gemv": 0}
     got = _generate(path, **options)
     assert calls["decode_attention"] > 0  # every decode step of every layer
+    if options.get("dtype") != "bfloat16" and "quantization" not in options:
+        assert calls["gemv"] > 0  # fp32 decode steps on the tile kernel
     if options.get("quantization") == "int8" and int8_kernel() == "exact" and native_kernels().has_int8:
         assert calls["gemv_int8"] > 0  # decode rows of every int8 layer
         if options.get("repeat", 1) > 1:  # batches above one row group ran on it too
@@ -243,3 +245,26 @@ def test_engine_with_native_kernels_matches_without(tiny_checkpoints, monkeypatc
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens
         np.testing.assert_allclose(logprobs, want_logprobs, atol=tolerance)
+
+
+def test_speculative_verify_steps_run_the_tile_kernel_and_keep_the_tokens(tiny_checkpoints,
+                                                                         monkeypatch):
+    """n-gram speculation: verify steps (each request's last token and its drafts, all
+    generated rows) run the fp32 tile kernel as decode steps do, and the greedy tokens
+    equal decoding without speculation."""
+    from tests.e2e.test_speculative_decoding import GREEDY, NGRAM, conversations
+
+    rows = []
+    gemv = native.NativeKernels.gemv
+    monkeypatch.setattr(native.NativeKernels, "gemv",
+                        lambda self, x, w: rows.append(x.shape[0]) or gemv(self, x, w))
+    path = tiny_checkpoints("tiny-qwen2-vl")
+    options = dict(max_model_len=512, kv_cache_memory_bytes=1 << 21, max_num_batched_tokens=256)
+    plain = LLM(model=path, **options).chat(conversations(), GREEDY, use_tqdm=False)
+    rows.clear()
+    speculative = LLM(model=path, speculative_config=NGRAM, **options)
+    outputs = speculative.chat(conversations(), GREEDY, use_tqdm=False)
+    assert speculative.get_metrics()["foveal:spec_decode_num_draft_tokens_total"] > 0
+    # more rows than requests: a verify step's drafts ran on the tile kernel
+    assert max(rows) > len(conversations())
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
