@@ -167,10 +167,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 def apply_linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b with the layer's weight: its int8 copy (--quantization int8), the native
-    tile kernel for an fp32 layer in a step of at most `native_rows` generated rows (decode,
-    speculative verify), or oneDNN on the weight prepack_weights gave it. Inside torch.compile (a compiled decode
-    step, at most a few rows): a dense weight is read by a loop Inductor generates
-    and fuses with its neighbours; other weights through the `foveal::linear` op."""
+    tile kernel for an fp32 layer in a step of at most `native_rows` generated rows
+    (decode, speculative verify), or oneDNN on the weight prepack_weights gave it. Inside
+    torch.compile (a compiled decode step, at most a few rows): a dense weight is read by
+    a loop Inductor generates and fuses with its neighbours; other weights through the
+    `foveal::linear` op."""
     if torch.compiler.is_compiling():
         return _compiled_linear(x, layer, bias)
     return _eager_linear(x, layer, bias)
@@ -325,7 +326,8 @@ def describe_linear_layout() -> str:
     `foveal env`."""
     if linear_layout() == "dense":
         return "dense (F.linear; FOVEAL_LINEAR_LAYOUT=dense)"
-    fp32 = (f"fp32 dense, decode steps of up to {NATIVE_F32_ROWS} rows on the native tile kernel"
+    fp32 = (f"fp32 dense, decode and verify steps of up to {NATIVE_F32_ROWS} rows on the native "
+            "tile kernel"
             if native_kernels() is not None else "fp32 oneDNN-blocked")
     bf16 = "bf16 oneDNN-blocked" if packs_bf16() else "bf16 dense"
     return f"packed ({fp32}; {bf16})"
@@ -336,8 +338,8 @@ def prepack_weights(model: nn.Module, keep_dense: bool = False) -> int:
     forward() on from then on; returns how many got one. Where the native kernels are
     built, that is the layer's dense weight itself, and eager decode and verify steps of up
     to NATIVE_F32_ROWS rows run the native tile kernel on it instead (`native_rows`);
-    elsewhere a oneDNN-blocked copy replaces the dense weight. bfloat16
-    layers get a blocked copy on CPUs with bf16 instructions. Nothing is packed with
+    elsewhere a oneDNN-blocked copy replaces the dense weight. bfloat16 layers get a
+    blocked copy on CPUs with bf16 instructions. Nothing is packed with
     FOVEAL_LINEAR_LAYOUT=dense.
 
     Why: on an AMD EPYC (avx512_bf16, no AMX), oneDNN's GEMM runs 1.5-2.5x faster than

@@ -224,7 +224,8 @@ def test_fp32_layers_keep_their_dense_weight_and_run_generated_rows_on_the_nativ
     assert native_kernels() is not None, "the native kernels did not build on this x86 machine"
     calls = []
     gemv = NativeKernels.gemv
-    monkeypatch.setattr(NativeKernels, "gemv", lambda self, x, w: calls.append(x.shape[0]) or gemv(self, x, w))
+    monkeypatch.setattr(NativeKernels, "gemv",
+                        lambda self, x, w: calls.append(x.shape[0]) or gemv(self, x, w))
     torch.manual_seed(0)
     layer = ReplicatedLinear(96, 40, bias=bias)
     torch.nn.init.normal_(layer.weight)
