@@ -52,8 +52,8 @@ def main() -> None:
             raise SystemExit("no layer runs the native tile kernel here (fp32 weights, native "
                              "kernels built, FOVEAL_LINEAR_LAYOUT=packed)")
         engines = {"oneDNN": llm, "tile": llm}
-        switch = {name: (lambda rows: lambda: [setattr(m, "native_rows", rows) for m in layers])(
-            NATIVE_F32_ROWS if name == "tile" else 0) for name in engines}
+        switch = {"oneDNN": lambda: _set_native_rows(layers, 0),
+                  "tile": lambda: _set_native_rows(layers, NATIVE_F32_ROWS)}
     else:
         compiled = args.compare == "native"
         engines = {name: _with_native(name == "native", lambda: _warm(LLM(
@@ -85,6 +85,11 @@ def main() -> None:
               f"({', '.join(f'{v:.1f}' for v in values)})")
     ratio = statistics.median(tpot[new]) / statistics.median(tpot[base])
     print(f"{label} {new} / {base}: {ratio:.3f}; same greedy tokens: {same}")
+
+
+def _set_native_rows(layers, rows: int) -> None:
+    for layer in layers:
+        layer.native_rows = rows
 
 
 def _modules(llm: LLM):

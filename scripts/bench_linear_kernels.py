@@ -42,6 +42,11 @@ def streamed(make, total_mb: int) -> list:
     return [first] + [make() for _ in range(count - 1)]
 
 
+def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T through oneDNN's GEMM, on a blocked or a dense weight (as prepack_weights uses it)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
 def median_ms(fn, weights) -> float:
     """Median over REPEATS passes of one call per weight, per call."""
     for weight in weights:
@@ -86,10 +91,8 @@ def layouts() -> None:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
         for rows in (1, 4, 16, 273, 2048):
             x = torch.randn(rows, k)
-            blocked = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
-                x, p, None, "none", [], ""), packed)
-            dense = median_ms(lambda w: torch.ops.mkldnn._linear_pointwise(
-                x, w, None, "none", [], ""), weights)
+            blocked = median_ms(lambda p: onednn(x, p), packed)
+            dense = median_ms(lambda w: onednn(x, w), weights)
             print(f"{n:>5}x{k:<5} {rows:>5} {blocked:>11.2f} {dense:>9.2f} {dense / blocked:>16.2f}")
 
 
@@ -106,17 +109,14 @@ def model_pass() -> None:
     print(f"{gigabytes:.2f} GB of fp32 weights per pass, median of {REPEATS} alternated passes")
     print(f"{'rows':>5} {'native ms':>10} {'oneDNN dense ms':>16} {'oneDNN blocked ms':>18} "
           f"{'native / dense':>15} {'native GFLOP/s':>15}")
-    onednn = torch.ops.mkldnn._linear_pointwise
     for rows in (1, 2, 4, 8, 16, 24, 32, 48, 64):
         inputs = {k: torch.randn(rows, k) for _, k in SMALL_PROJECTIONS}
         for weight in weights[:4]:
             x = inputs[weight.shape[1]]
-            torch.testing.assert_close(kernels.gemv(x, weight), onednn(x, weight, None, "none", [], ""),
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(kernels.gemv(x, weight), onednn(x, weight), rtol=1e-4, atol=1e-4)
         passes = {"native": lambda: [kernels.gemv(inputs[w.shape[1]], w) for w in weights],
-                  "dense": lambda: [onednn(inputs[w.shape[1]], w, None, "none", [], "") for w in weights],
-                  "blocked": lambda: [onednn(inputs[w.shape[1]], p, None, "none", [], "")
-                                      for w, p in zip(weights, blocked)]}
+                  "dense": lambda: [onednn(inputs[w.shape[1]], w) for w in weights],
+                  "blocked": lambda: [onednn(inputs[w.shape[1]], p) for w, p in zip(weights, blocked)]}
         times = {name: [] for name in passes}
         for repeat in range(REPEATS):
             for name in (list(passes) if repeat % 2 == 0 else list(passes)[::-1]):
@@ -170,10 +170,8 @@ def main() -> None:
         x = torch.randn(rows, IN_FEATURES)
         x_bf16 = x.bfloat16()
         dense = median_ms(lambda w: F.linear(x, w), weights)
-        blocked = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
-            x, p, None, "none", [], ""), packed)
-        half = median_ms(lambda p: torch.ops.mkldnn._linear_pointwise(
-            x_bf16, p, None, "none", [], ""), packed_bf16) if packed_bf16 else float("nan")
+        blocked = median_ms(lambda p: onednn(x, p), packed)
+        half = median_ms(lambda p: onednn(x_bf16, p), packed_bf16) if packed_bf16 else float("nan")
         exact = median_ms(lambda q: int8_linear(x, q[0], q[1], None), quantized)
         dynamic = median_ms(lambda q: int8_linear(x, q[0], q[1], None, q[2]), fbgemm)
         line = (f"{rows:>5} {dense:>12.2f} {blocked:>10.2f} {half:>15.2f} {exact:>14.2f} "
