@@ -7,7 +7,7 @@ class (read off the pixels) plus one of its shape class (from the objects the
 generator drew); positions stay the real M-RoPE ones. If the decoder cannot
 learn to bind a question's words to the right token from these, no vision tower
 will make the full model learn faster. Prints the training loss and
-teacher-forced held-out exact match (24 samples per task) every 50 steps.
+teacher-forced held-out exact match (--eval-samples per task) every 50 steps.
 
     python scripts/demo_oracle.py --lr 1e-3 --follow-ups 3 --seconds 600 [--question-first]
 """
@@ -31,15 +31,22 @@ TASKS = ("shapes", "position", "count", "compare")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=0, help="steps of linear lr warmup")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--follow-ups", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--every", type=int, default=50, help="steps between evals")
+    parser.add_argument("--tasks", default=",".join(TASKS),
+                        help="comma-separated tasks to train on (evaluation covers all four)")
+    parser.add_argument("--eval-samples", type=int, default=24, help="held-out samples per task")
     parser.add_argument("--question-first", action="store_true",
                         help="put the question before the images in the user turn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    train_tasks = args.tasks.split(",")
+    if unknown := set(train_tasks) - set(TASKS):
+        parser.error(f"unknown tasks {sorted(unknown)}; choose from {', '.join(TASKS)}")
     torch.manual_seed(0)
     if args.question_first:
         media_first = Sample.messages
@@ -72,7 +79,7 @@ def main() -> None:
         return model.lm_head(hidden_states), batch["labels"]
 
     @torch.no_grad()
-    def evaluate(per_task: int = 24) -> dict[str, float]:
+    def evaluate(per_task: int = args.eval_samples) -> dict[str, float]:
         scores = {}
         for task in TASKS:
             logits, labels = forward([make_sample("eval", i, task=task) for i in range(per_task)])
@@ -86,8 +93,10 @@ def main() -> None:
     while time.time() - start < args.seconds:
         step += 1
         rng = random.Random(step)
-        samples = [make_sample("train", step * args.batch_size + i, task=rng.choice(TASKS))
+        samples = [make_sample("train", step * args.batch_size + i, task=rng.choice(train_tasks))
                    for i in range(args.batch_size)]
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * min(1.0, step / max(1, args.warmup))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = answer_loss(*forward(samples, rng, augment))
         optimizer.zero_grad()
