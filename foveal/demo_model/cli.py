@@ -7,14 +7,30 @@ import argparse
 _TASK_NAMES = "shapes, count, position, read, compare, motion"
 
 
+def _task_weights(text: str) -> dict[str, float]:
+    """"shapes=3,count=0" -> {"shapes": 3.0, "count": 0.0} (names checked by TrainConfig)."""
+    weights = {}
+    for item in text.split(","):
+        task, _, value = item.partition("=")
+        try:
+            weights[task.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected TASK=WEIGHT[,TASK=WEIGHT...], got {item!r}") from None
+    return weights
+
+
 def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
     names = ("read_steps", "vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch",
              "char_weight", "vision_lr", "lr", "joint_lr", "seed", "eval_every", "device",
-             "data_workers")
+             "data_workers", "task_weights")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
+    try:
+        cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
+    except ValueError as error:
+        raise SystemExit(f"foveal train-demo: {error}") from None
     folder = train(args.out, cfg)
     print(f"wrote the trained checkpoint to {folder}")
     return 0
@@ -63,6 +79,10 @@ def register(subparsers) -> None:
     train.add_argument("--data-workers", type=int,
                        help="processes rendering and encoding batches ahead of the step "
                             "(default 0: the training process; the batches are the same either way)")
+    train.add_argument("--task-weights", type=_task_weights, metavar="TASK=W[,TASK=W...]",
+                       help="the training mix: relative weights for the tasks named, the rest "
+                            "keep the default mix (foveal/demo_model/tasks.py TRAIN_WEIGHTS); "
+                            "0 leaves a task out")
     train.set_defaults(func=_train)
 
     data = subparsers.add_parser(

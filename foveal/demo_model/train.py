@@ -82,6 +82,23 @@ class TrainConfig:
     # training process itself). A step's batch depends on its index alone, so any
     # worker count gives the same batches.
     data_workers: int = 0
+    # The training mix: task -> relative weight for the tasks named (the rest keep
+    # tasks.TRAIN_WEIGHTS; 0 leaves a task out). Every stage that draws samples uses it.
+    task_weights: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        given = self.task_weights or {}
+        if unknown := set(given) - set(TASKS):
+            raise ValueError(f"unknown tasks {sorted(unknown)} in task_weights; "
+                             f"the tasks are {', '.join(TASKS)}")
+        if any(not weight >= 0 for weight in given.values()):  # rejects NaN too
+            raise ValueError(f"task weights must be >= 0, got {given}")
+        if not any(self.mix()):
+            raise ValueError("task_weights leave every task out")
+
+    def mix(self) -> list[float]:
+        """Each task's weight, in TASKS order."""
+        return [(self.task_weights or {}).get(task, TRAIN_WEIGHTS[task]) for task in TASKS]
 
     def spans(self) -> dict[int, tuple[int, int]]:
         """Stage -> its [first, end) steps, for the stages that run."""
@@ -215,7 +232,7 @@ def make_batch(encoder: SampleEncoder, cfg: TrainConfig, step: int) -> dict:
     model inputs, labels, and the probe's targets in stages 0-1."""
     stage = cfg.stage_of(step)
     rng = random.Random(f"augment:{cfg.seed}:{step}")
-    tasks = rng.choices(TASKS, weights=[TRAIN_WEIGHTS[t] for t in TASKS], k=cfg.batch_size)
+    tasks = rng.choices(TASKS, weights=cfg.mix(), k=cfg.batch_size)
     samples = [make_sample("train", step * cfg.batch_size + i, task=task)
                for i, task in enumerate(tasks)] if stage else []
     if stage <= 1:

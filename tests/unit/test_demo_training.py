@@ -215,6 +215,46 @@ def test_learning_rate_warms_up_then_decays_to_the_floor_in_each_stage():
     assert lr_at(189, joint) == pytest.approx(1e-5, rel=0.1)
 
 
+def test_task_weights_set_the_training_mix(scaffold, monkeypatch):
+    import foveal.demo_model.train as train_module
+    from foveal.demo_model.tasks import TASKS, TRAIN_WEIGHTS
+
+    drawn = []
+
+    def recording(split, index, task=None):
+        drawn.append(task)
+        return make_sample(split, index, task=task)
+
+    monkeypatch.setattr(train_module, "make_sample", recording)
+    encoder = SampleEncoder(*scaffold)
+    only_shapes = {task: 0.0 for task in TASKS} | {"shapes": 1.0}
+    cfg = TrainConfig(vision_steps=0, steps=4, batch_size=6, task_weights=only_shapes)
+    for step in range(2):
+        train_module.make_batch(encoder, cfg, step)
+    assert drawn == ["shapes"] * 12
+    # tasks not named keep the default weights
+    assert TrainConfig(task_weights={"shapes": 3.0}).mix() == \
+        [3.0 if task == "shapes" else TRAIN_WEIGHTS[task] for task in TASKS]
+    for bad, message in (({"shape": 1.0}, "unknown tasks"), ({"count": -1.0}, ">= 0"),
+                         ({task: 0.0 for task in TASKS}, "every task out")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(task_weights=bad)
+
+
+def test_train_demo_task_weights_flag_parses_and_rejects_bad_values(capsys, tmp_path):
+    from foveal.entrypoints.cli import build_parser, main
+
+    parser = build_parser()
+    args = parser.parse_args(["train-demo", "out", "--task-weights", "shapes=3,count=0"])
+    assert args.task_weights == {"shapes": 3.0, "count": 0.0}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train-demo", "out", "--task-weights", "shapes"])
+    assert "TASK=WEIGHT" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown tasks"):  # before any work starts
+        main(["train-demo", str(tmp_path / "out"), "--task-weights", "shape=1"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_training_resumes_and_exports_a_checkpoint_both_engines_load(tmp_path):
     from transformers import Qwen2VLForConditionalGeneration
 
