@@ -27,10 +27,7 @@ def _train(args: argparse.Namespace) -> int:
              "char_weight", "vision_lr", "lr", "joint_lr", "seed", "eval_every", "device",
              "data_workers", "task_weights")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    try:
-        cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
-    except ValueError as error:
-        raise SystemExit(f"foveal train-demo: {error}") from None
+    cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)
     print(f"wrote the trained checkpoint to {folder}")
     return 0

@@ -29,6 +29,7 @@ from foveal.demo_model.encode import (
 )
 from foveal.demo_model.probe import VisualTokenProbe
 from foveal.demo_model.tasks import TASKS, TRAIN_WEIGHTS, make_page, make_sample
+from foveal.errors import ConfigError
 from foveal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -89,12 +90,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         given = self.task_weights or {}
         if unknown := set(given) - set(TASKS):
-            raise ValueError(f"unknown tasks {sorted(unknown)} in task_weights; "
+            raise ConfigError(f"unknown tasks {sorted(unknown)} in task_weights; "
                              f"the tasks are {', '.join(TASKS)}")
         if any(not weight >= 0 for weight in given.values()):  # rejects NaN too
-            raise ValueError(f"task weights must be >= 0, got {given}")
+            raise ConfigError(f"task weights must be >= 0, got {given}")
         if not any(self.mix()):
-            raise ValueError("task_weights leave every task out")
+            raise ConfigError("task_weights leave every task out")
 
     def mix(self) -> list[float]:
         """Each task's weight, in TASKS order."""
@@ -166,8 +167,6 @@ def build_hf_model(hf_config: dict, seed: int):
     try:
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     except ImportError as error:
-        from foveal.errors import ConfigError
-
         raise ConfigError("training uses transformers' Qwen2-VL: pip install 'foveal[train]'") from error
 
     config = Qwen2VLConfig(**hf_config)
