@@ -5,9 +5,10 @@ clips for the families that take video). Greedy tokens equal decoding without
 the head, in a mixed batch, with chunked prefill through image ranges,
 preemption and prefix hits, and every block comes back; the head's drafts are
 accepted at a rate near its training accuracy, which they would not be if the
-serving path fed it other features or positions than training recorded. Families cover each decoder layout the head reads: LLaVA-NeXT
-(Llama, anyres tiles), Idefics3 (Llama under `text_model`), Gemma 3 (scaled
-embeddings, sliding-window layers in KV cache groups of their own) and Qwen3-VL
+serving path fed it other features or positions than training recorded.
+Families cover each decoder layout the head reads: LLaVA-NeXT (Llama, anyres
+tiles), Idefics3 (Llama under `text_model`), Gemma 3 (scaled embeddings,
+sliding-window layers in KV cache groups of their own) and Qwen3-VL
 (interleaved M-RoPE, DeepStack rows added in the first layers)."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.e2e.test_speculative_decoding import assert_all_blocks_returned, metr
 
 FAMILIES = ["tiny-llava-next", "tiny-idefics3", "tiny-gemma3", "tiny-qwen3-vl"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+KV_BYTES = 8 << 20
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -41,7 +43,7 @@ def conversations(checkpoint: str) -> list:
 
 
 def make_llm(checkpoint: str, speculative: dict | None, **options) -> LLM:
-    options = {"max_model_len": 1024, "kv_cache_memory_bytes": 8 << 20, "block_size": 4,
+    options = {"max_model_len": 1024, "kv_cache_memory_bytes": KV_BYTES, "block_size": 4,
                "max_num_batched_tokens": 512, **options}
     if speculative:
         options["speculative_config"] = speculative
@@ -71,11 +73,11 @@ def test_preemption_and_prefix_hits_keep_the_tokens(family):
     longest = max(len(o.prompt_token_ids) for o in plenty.chat(
         prompts, SamplingParams(max_tokens=1), use_tqdm=False))
     max_model_len = longest + GREEDY.max_tokens + 8
-    # pages (the head's share included) that one max_model_len request needs in 24-token
+    # blocks (the head's share included) that one max_model_len request needs in 24-token
     # steps, and 4 more: the batch must preempt
     spec = plenty.llm_engine.executor.driver_worker.kv_cache_spec
-    pages = spec.layer_groups.pages_needed(max_model_len, 24, 4) + spec.layer_groups.is_hybrid
-    per_page = (8 << 20) // plenty.llm_engine.core.scheduler.kv.num_blocks
+    pages = spec.blocks_needed(max_model_len, 24)
+    per_page = KV_BYTES // plenty.llm_engine.core.scheduler.kv.num_blocks
     llm = make_llm(checkpoint, speculative, max_model_len=max_model_len,
                    max_num_batched_tokens=24, kv_cache_memory_bytes=per_page * (pages + 4))
     assert tokens(llm.chat(prompts, GREEDY, use_tqdm=False)) == expected

@@ -99,13 +99,18 @@ class KVCacheSpec:
             per_layer += 2 * _numel(self.scale_shape) * self.scale_dtype.itemsize
         return per_layer * self.num_tensors
 
+    def blocks_needed(self, max_model_len: int, step_tokens: int | None = None) -> int:
+        """Blocks a pool needs for one max_model_len request computed in steps of up
+        to step_tokens (default: all at once), a hybrid pool's null block included."""
+        return self.layer_groups.pages_needed(max_model_len, step_tokens or max_model_len,
+                                              self.block_size) + self.layer_groups.is_hybrid
+
     def num_blocks_for(self, memory_bytes: int, max_model_len: int,
                        step_tokens: int | None = None) -> int:
         """Blocks that fit in memory_bytes; one max_model_len request, computed in
         steps of up to step_tokens (default: all at once), must fit."""
         num_blocks = memory_bytes // self.block_bytes
-        needed = self.layer_groups.pages_needed(max_model_len, step_tokens or max_model_len,
-                                                self.block_size) + self.layer_groups.is_hybrid
+        needed = self.blocks_needed(max_model_len, step_tokens)
         if num_blocks < needed:
             raise ConfigError(
                 f"the KV cache gets {memory_bytes / _MIB:.1f} MiB = {num_blocks} blocks of "
