@@ -155,6 +155,10 @@ class SchedulerConfig:
     max_model_len: int = 4096
     # Visual tokens the vision encoder may produce in one step.
     encoder_compute_budget: int = 16384
+    # Inter-token latency to aim at: a step that carries decode rows takes only the
+    # prompt tokens (and vision encoding) its measured step cost says fit in this
+    # many ms (foveal/engine/step_cost.py). None: every step fills its token budget.
+    target_itl_ms: float | None = None
 
 
 @dataclass(frozen=True)

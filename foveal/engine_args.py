@@ -32,6 +32,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 16384
     encoder_compute_budget: int = 16384
+    target_itl_ms: float | None = None  # steps with decode rows: prompt chunks sized to this
     load_format: str = "auto"
     seed: int = 0
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
@@ -77,6 +78,9 @@ class EngineArgs:
 
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format={self.load_format!r}; use 'auto' or 'dummy'")
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise ConfigError(f"target_itl_ms={self.target_itl_ms!r}; use a positive number of "
+                              "milliseconds, or leave it unset")
         model_config = model_config_from_hf(self.model)
         if self.mm_encoder_tp_mode not in ("weights", "data"):
             raise ConfigError(f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r}; use 'weights' "
@@ -124,7 +128,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len,
-                                      encoder_compute_budget=self.encoder_compute_budget),
+                                      encoder_compute_budget=self.encoder_compute_budget,
+                                      target_itl_ms=self.target_itl_ms),
             multimodal=MultimodalConfig(limit_mm_per_prompt=limits,
                                         max_image_pixels=self.max_image_pixels,
                                         mm_processor_kwargs=dict(self.mm_processor_kwargs),

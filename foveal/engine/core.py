@@ -1,6 +1,7 @@
 """The engine core loop: schedule, execute, update."""
 from __future__ import annotations
 
+import time
 from typing import Iterable, Protocol
 
 from foveal.engine.plan import ModelRunnerOutput, StepPlan, kv_payload_key
@@ -36,7 +37,10 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids and not plan.freed_mm_hashes:
             return []
+        started = time.perf_counter()
         runner_output = self.executor.execute(plan, self._payloads(plan))
+        self.scheduler.step_cost.observe(plan.total_num_scheduled_tokens, plan.num_encoder_tokens,
+                                         time.perf_counter() - started)
         return self.scheduler.update_from_output(plan, runner_output)
 
     def _payloads(self, plan: StepPlan) -> dict[str, dict]:

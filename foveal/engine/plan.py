@@ -102,6 +102,8 @@ class StepPlan:
         forward; the blocks travel beside the plan (`kv_payload_key`).
     kv_exports: request id -> prompt tokens whose KV the workers copy out
         after this step's forward, for a decode worker to continue from.
+    num_encoder_tokens: visual tokens the vision tower computes this step (the
+        engine's step cost model reads it beside the step's time).
     """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -115,6 +117,7 @@ class StepPlan:
     encoder_transfer: EncoderTransferPlan | None = None
     kv_imports: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     kv_exports: dict[str, int] = field(default_factory=dict)
+    num_encoder_tokens: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -22,6 +22,7 @@ class SchedulerStats:
     encoder_cache_entries: int = 0  # gauge: media embeddings the workers hold
     encoder_cache_held_entries: int = 0  # gauge: of those, referenced by unfinished requests
     num_preemptions: int = 0
+    itl_capped_steps: int = 0  # steps whose prompt work was held to target_itl_ms
     computed_tokens: int = 0  # tokens the model ran: prompts, recomputes, outputs, drafts
     kv_imported_tokens: int = 0  # disaggregated decode: prompt tokens whose KV came in
     kv_exported_tokens: int = 0  # disaggregated prefill: prompt tokens whose KV went out
@@ -75,6 +76,7 @@ class SchedulerStats:
             "foveal:encoder_cache_entries": self.encoder_cache_entries,
             "foveal:encoder_cache_held_entries": self.encoder_cache_held_entries,
             "foveal:num_preemptions_total": self.num_preemptions,
+            "foveal:itl_capped_steps_total": self.itl_capped_steps,
             "foveal:computed_tokens_total": self.computed_tokens,
             "foveal:kv_imported_tokens_total": self.kv_imported_tokens,
             "foveal:kv_exported_tokens_total": self.kv_exported_tokens,

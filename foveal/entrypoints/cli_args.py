@@ -53,6 +53,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="encoder cache capacity, in visual tokens")
     group.add_argument("--encoder-compute-budget", type=int, default=16384,
                        help="visual tokens the vision encoder may produce per step")
+    group.add_argument("--target-itl-ms", type=float,
+                       help="inter-token latency to aim at: while requests decode, each step "
+                            "takes only the prompt tokens and vision encoding its measured "
+                            "cost says fit in this many ms (default: steps fill "
+                            "--max-num-batched-tokens)")
     group.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                        help="dummy: random weights at the checkpoint's shapes")
     group.add_argument("--seed", type=int, default=0)
@@ -103,7 +108,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "load_format",
-                "encoder_cache_size", "encoder_compute_budget",
+                "encoder_cache_size", "encoder_compute_budget", "target_itl_ms",
                 "seed", "limit_mm_per_prompt", "mm_processor_kwargs", "max_image_pixels",
                 "processor_cache_size", "kv_offload", "kv_offload_bytes", "kv_offload_path",
                 "disable_hybrid_kv_cache_manager",

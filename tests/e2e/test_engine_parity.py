@@ -74,11 +74,15 @@ def _hf_greedy(model, prompt_ids: list[int], mm_inputs: dict, image_token_id: in
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
-def test_greedy_tokens_and_logprobs_match_transformers(tiny_checkpoints, preset):
+# target_itl_ms=1: below any step's cost, so every step with decode rows is held
+# to the target (no prompt work fits) and the one after it runs without the cap
+@pytest.mark.parametrize("preset,target_itl_ms", [("tiny-qwen2-vl", None),
+                                                  ("tiny-qwen2.5-vl", None),
+                                                  ("tiny-qwen2-vl", 1.0)])
+def test_greedy_tokens_and_logprobs_match_transformers(tiny_checkpoints, preset, target_itl_ms):
     path = tiny_checkpoints(preset)
     llm = LLM(model=path, max_model_len=320, max_num_batched_tokens=48,
-              max_num_seqs=8, block_size=16,
+              max_num_seqs=8, block_size=16, target_itl_ms=target_itl_ms,
               kv_cache_memory_bytes=_pool_bytes(path, num_blocks=20))
     conversations = _conversations()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
@@ -86,6 +90,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_checkpoints, preset)
     outputs = llm.chat(conversations, params, use_tqdm=False)
     metrics = llm.get_metrics()
     assert metrics["foveal:num_preemptions_total"] > 0, "the KV pool should force preemption"
+    assert (metrics["foveal:itl_capped_steps_total"] > 0) == (target_itl_ms is not None)
 
     model = _hf_model(path)
     image_token_id = model.config.image_token_id

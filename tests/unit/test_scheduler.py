@@ -108,10 +108,12 @@ def image_prompt(before: int, length: int, after: int, text_start: int = 1) -> l
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_tokens=16, max_seqs=8, max_len=256,
-                   encoder_budget=64, encoder_cache=128, prefix=True) -> Scheduler:
+                   encoder_budget=64, encoder_cache=128, prefix=True,
+                   target_itl_ms=None) -> Scheduler:
     return build_scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
-                        max_model_len=max_len, encoder_compute_budget=encoder_budget),
+                        max_model_len=max_len, encoder_compute_budget=encoder_budget,
+                        target_itl_ms=target_itl_ms),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix,
                     encoder_cache_size=encoder_cache),
         num_blocks)
