@@ -6,9 +6,16 @@ seconds ~= base + per_token * tokens + per_encoder_token * encoder_tokens
 `encoder_tokens` the visual tokens the vision tower produced in it. The fit is
 least squares over the last `window` steps, coefficients kept non-negative (a
 feature whose coefficient would go negative is dropped from that fit). The
-machine, the model and the context lengths set the numbers, so they are measured
-here rather than configured. The scheduler reads them to size prefill chunks
-that keep decode steps near a target inter-token latency (`target_itl_ms`).
+first step is not used (it pays one-time costs: kernels built, the heap grown,
+first-use dispatch, on the engine's largest prefill, where one point would
+pull the whole line), and a step that took over twice what the fit of the
+other steps predicts for it is left out and the fit redone: a first use of a kernel later on or a pause of the
+process must not make every later step look expensive. A cost is fitted only from
+enough steps that differ in it (`min_points` of them `min_spread` tokens or
+more away from the median step). The machine, the model and the context lengths
+set the numbers, so they are measured here rather than configured. The
+scheduler reads them to size prefill chunks that keep decode steps near a
+target inter-token latency (`target_itl_ms`).
 """
 from __future__ import annotations
 
@@ -19,21 +26,27 @@ import numpy as np
 
 # Tokens (and encoder tokens) are fitted per thousand: columns of like size.
 _SCALE = 1000.0
+_SLOW = 2.0  # a step this many times its predicted time (plus 1 ms) is an outlier
 
 
 class StepCostModel:
-    def __init__(self, window: int = 64, min_token_spread: int = 16):
-        """window: steps the fit reads (the newest). min_token_spread: the fit
-        needs steps whose token counts differ by at least this much, else the
-        per-token cost cannot be told from the base and the last fit stays."""
+    def __init__(self, window: int = 64, min_spread: int = 16, min_points: int = 3):
+        """window: steps the fit reads (the newest). A cost needs min_points steps
+        at least min_spread tokens away from the median step, else it cannot be
+        told from the base: until the per-token cost can, the last fit stays."""
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self._min_spread = min_token_spread
+        self._min_spread = min_spread
+        self._min_points = min_points
         self._coef: tuple[float, float, float] | None = None
         self._stale = False
+        self._seen_first = False
 
     def observe(self, tokens: int, encoder_tokens: int, seconds: float) -> None:
         if tokens <= 0 and encoder_tokens <= 0:
             return  # a plan that only told the workers to drop state
+        if not self._seen_first:
+            self._seen_first = True
+            return
         self._steps.append((tokens, encoder_tokens, seconds))
         self._stale = True
 
@@ -61,11 +74,40 @@ class StepCostModel:
 
     def _fit(self) -> tuple[float, float, float] | None:
         steps = np.array(self._steps, dtype=np.float64)
-        tokens, encoder, seconds = steps[:, 0], steps[:, 1], steps[:, 2]
-        if tokens.max() - tokens.min() < self._min_spread:
+        keep = np.ones(len(steps), dtype=bool)
+        for _ in range(4):  # drop the slowest outlier, refit
+            solved = self._solve(steps[keep])
+            if solved is None:
+                return None
+            coef, kept = solved
+            rows = steps[keep]
+            columns = _columns(rows)[:, kept]
+            # each step's prediction from the fit without it (a large step pulls the
+            # line through itself: its own residual says nothing)
+            leverage = np.einsum("ij,ji->i", columns, np.linalg.pinv(columns))
+            residual = rows[:, 2] - columns @ np.array(
+                [coef[k] * (_SCALE if k else 1.0) for k in kept])
+            judged = leverage < 0.99
+            without = rows[:, 2] - residual / np.where(judged, 1 - leverage, 1.0)
+            excess = np.where(judged, rows[:, 2] - (_SLOW * np.maximum(without, 0) + 1e-3),
+                              -np.inf)
+            worst = int(np.argmax(excess))
+            if excess[worst] <= 0:
+                return coef
+            keep[np.flatnonzero(keep)[worst]] = False
+        solved = self._solve(steps[keep])
+        return None if solved is None else solved[0]
+
+    def _varies(self, values: np.ndarray) -> bool:
+        far = np.abs(values - np.median(values)) >= self._min_spread
+        return int(far.sum()) >= self._min_points
+
+    def _solve(self, steps: np.ndarray) -> tuple[tuple[float, float, float], tuple] | None:
+        """(base, per token, per encoder token) and the columns fitted, or None."""
+        if len(steps) == 0 or not self._varies(steps[:, 0]):
             return None
-        columns = np.stack([np.ones_like(tokens), tokens / _SCALE, encoder / _SCALE], axis=1)
-        has_encoder = encoder.max() - encoder.min() >= self._min_spread
+        columns, seconds = _columns(steps), steps[:, 2]
+        has_encoder = self._varies(steps[:, 1])
         # every subset of the features that keeps the per-token column, largest first
         for size in (3, 2, 1):
             for kept in combinations(range(3), size):
@@ -76,5 +118,10 @@ class StepCostModel:
                     coef = [0.0, 0.0, 0.0]
                     for index, value in zip(kept, solution):
                         coef[index] = float(value) / (_SCALE if index else 1.0)
-                    return coef[0], coef[1], coef[2]
+                    return (coef[0], coef[1], coef[2]), kept
         return None
+
+
+def _columns(steps: np.ndarray) -> np.ndarray:
+    """[1, tokens / 1000, encoder tokens / 1000] per step."""
+    return np.stack([np.ones(len(steps)), steps[:, 0] / _SCALE, steps[:, 1] / _SCALE], axis=1)

@@ -15,7 +15,9 @@ BASE, PER_TOKEN, PER_ENCODER_TOKEN = 0.010, 0.001, 0.002
 
 
 def seeded(scheduler):
-    for tokens, encoder_tokens in [(1, 0), (50, 0), (4, 40), (100, 0)]:
+    # the first is the engine's first step, which the model leaves out
+    for tokens, encoder_tokens in [(1, 0), (50, 0), (4, 40), (100, 0), (2, 20), (3, 60),
+                                   (80, 0), (30, 0)]:
         scheduler.step_cost.observe(tokens, encoder_tokens,
                                     BASE + PER_TOKEN * tokens + PER_ENCODER_TOKEN * encoder_tokens)
     return scheduler
@@ -163,14 +165,19 @@ def test_the_engine_core_times_each_step_into_the_model(monkeypatch):
 
     monkeypatch.setattr("foveal.engine.core.time.perf_counter", lambda: clock[0])
     core = EngineCore(make_scheduler(max_tokens=64, target_itl_ms=30), TimedExecutor(4))
-    core.add_request(make_request("a", [1, 2, 3, 4], max_tokens=40))
+    core.add_request(make_request("a", [1, 2, 3, 4], max_tokens=60))
+    for index, length in enumerate([60, 10, 80, 5, 70, 3]):  # steps of varied sizes
+        core.step()
+        first = 100 * (index + 1)  # no prefix shared with the others
+        core.add_request(make_request(f"r{index}", list(range(first, first + length)),
+                                      max_tokens=2))
     core.step()
-    core.add_request(make_request("b", list(range(10, 210)), max_tokens=2))
-    sizes = [core.step() and core.scheduler.step_cost.coefficients for _ in range(2)]
-    assert sizes[-1] == pytest.approx((BASE, PER_TOKEN, 0.0))
-    # with a fit in hand the cap holds: 20 tokens a step, a's decode row among them
-    plan = core.scheduler.schedule()
-    assert plan.total_num_scheduled_tokens == 20
+    assert core.scheduler.step_cost.coefficients == pytest.approx((BASE, PER_TOKEN, 0.0))
+    core.add_request(make_request("z", list(range(300, 500)), max_tokens=2))
+    while core.scheduler.waiting:
+        core.step()
+    # with the fit in hand the cap holds: 20 tokens a step, "a"'s decode row among them
+    assert core.scheduler.schedule().total_num_scheduled_tokens == 20
 
 
 def test_the_option_from_the_command_line_and_its_bad_values():
