@@ -423,11 +423,13 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
                    bf16: bool, batch_size: int = 16) -> dict[str, float]:
     """Stage 1's held-out score: per visual token, how often the scene heads name
     the object count, the shapes' colours, the text's characters and the motion
-    direction (where the scene says), the per-cell colour head, and the character
-    head on the cells that hold a character ("chars")."""
+    direction (where the scene says), the per-cell colour head, the shape head on
+    the cells a shape covers ("cell_shape") and the character head on the cells
+    that hold a character ("chars")."""
     merged: list[torch.Tensor] = []
     hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
-    hits = {name: [0, 0] for name in ["cell_color", "chars", *dict.fromkeys(probe.SCENE_COLUMNS)]}
+    hits = {name: [0, 0] for name in ["cell_color", "cell_shape", "chars",
+                                      *dict.fromkeys(probe.SCENE_COLUMNS)]}
     try:
         for start in range(0, num_samples, batch_size):
             encoded = [encoder.encode(make_sample("eval", i))
@@ -440,6 +442,11 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
             colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
             hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
             hits["cell_color"][1] += len(colours)
+            shapes = torch.cat(batch_shape_targets(encoded)).to(model.device)
+            covered = shapes > 0
+            predicted = probe.shape_head(features).argmax(-1)
+            hits["cell_shape"][0] += int((predicted[covered] == shapes[covered]).sum())
+            hits["cell_shape"][1] += int(covered.sum())
             chars = _to_device(batch_char_targets(encoded), model.device)
             if chars is not None:
                 known = chars > 0
