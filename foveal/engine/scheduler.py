@@ -12,13 +12,8 @@ the drafts a step rejects are rolled back (computed count and trailing KV
 blocks) when its output comes back.
 
 With a target inter-token latency (`target_itl_ms`), a step that carries decode
-rows gives prompt tokens and vision encoding only what the step cost model
-(fit to the steps run so far) says fits beside them; decode rows come first.
-A held step that could take no prompt work at all, while some waits, is
-followed by a progress step: it takes just the window through the item that did
-not fit, its encoding not charged (an image whose encoding alone is over the
-target still gets in, in a step of its own), or, when not even one prompt token
-fits beside the decode rows (a target below what they cost), the whole budget.
+rows gives prompt tokens and vision encoding only what the step cost model says
+fits beside them (foveal/engine/step_budget.py).
 
 The scheduler owns no policy objects of its own making: the KV manager (with
 its KV connector), the encoder budget and the encoder connector are passed in
@@ -26,9 +21,7 @@ its KV connector), the encoder budget and the encoder connector are passed in
 """
 from __future__ import annotations
 
-import math
 from collections import deque
-from dataclasses import dataclass
 
 from foveal.config import CacheConfig, SchedulerConfig
 from foveal.engine.encoder_budget import EncoderBudget
@@ -39,31 +32,10 @@ from foveal.engine.kv_offload import OffloadTier
 from foveal.engine.plan import CachedRequestData, ModelRunnerOutput, NewRequestData, StepPlan
 from foveal.engine.request import EngineCoreOutput, Request, RequestStatus
 from foveal.engine.stats import SchedulerStats
+from foveal.engine.step_budget import StepBudget, is_decoding, step_budget
 from foveal.engine.step_cost import StepCostModel
 from foveal.engine.stop import append_tokens
 from foveal.errors import ContextLengthError, InvalidRequestError
-
-
-@dataclass
-class _StepBudget:
-    tokens_left: int
-    encoder_tokens_left: int
-    preempted: bool = False
-    # With target_itl_ms: what prompt tokens (and, in a step held to the target, vision
-    # encoding) may still take, in tokens; inf: no limit beyond tokens_left.
-    prefill_left: float = math.inf
-    held: bool = False  # held to the target: encodings are charged, encoder_token_cost each
-    encoder_token_cost: float = 0.0
-    free_encodings: int = 0  # in a progress step: encodings not charged
-    prefill_scheduled: int = 0  # prompt tokens (not decode rows) scheduled so far
-    blocked_window: int = 0  # tokens through the first item whose encoding did not fit
-
-    @property
-    def prefill_room(self) -> int:
-        """Prompt tokens the step may still take."""
-        if self.prefill_left == math.inf:
-            return self.tokens_left
-        return max(0, min(self.tokens_left, math.floor(self.prefill_left)))
 
 
 def build_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -181,7 +153,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
-        budget = self._step_budget()
+        progress_window, self._progress_window = self._progress_window, None
+        budget = step_budget(self.config, self.running, self.step_cost, progress_window)
         self._schedule_running(plan, budget)
         if not budget.preempted:
             self._schedule_waiting(plan, budget)
@@ -189,7 +162,7 @@ class Scheduler:
         if budget.held:
             self.stats.itl_capped_steps += 1
             stalled = budget.prefill_scheduled == 0 and (
-                bool(self.waiting) or not all(map(_is_decoding, self.running)))
+                bool(self.waiting) or not all(map(is_decoding, self.running)))
             self._progress_window = budget.blocked_window if stalled else None
         plan.freed_mm_hashes = self.encoder.take_freed()
         if self.offload is not None and not plan.is_empty:
@@ -200,43 +173,14 @@ class Scheduler:
             plan.encoder_transfer = self.encoder_connector.take_transfers() or None
         return plan
 
-    def _step_budget(self) -> _StepBudget:
-        """The step's token and encoder budgets. With target_itl_ms, decode rows
-        running and a fit of the step cost, the rows come first whatever their place
-        in the running order, and prompt work gets what the fit says fits beside them
-        (or, after a held step that could take none, a progress step's share)."""
-        budget = _StepBudget(self.config.max_num_batched_tokens,
-                             self.config.encoder_compute_budget)
-        progress_window, self._progress_window = self._progress_window, None
-        target_ms = self.config.target_itl_ms
-        decoding = [r for r in self.running if _is_decoding(r)]
-        if target_ms is None or not decoding:
-            return budget
-        coefficients = self.step_cost.coefficients
-        if coefficients is None or progress_window == 0:  # None: not measured yet
-            return budget  # as without a target
-        num_decode = sum(min(r.num_tokens_with_spec - r.num_computed_tokens,
-                             self.config.max_model_len - r.num_computed_tokens) for r in decoding)
-        budget.prefill_left = max(0, budget.tokens_left - num_decode)
-        base, per_token, per_encoder_token = coefficients
-        budget.held, budget.encoder_token_cost = True, per_encoder_token / per_token
-        if progress_window is not None:
-            budget.prefill_left = min(budget.prefill_left, progress_window)
-            budget.free_encodings = 1
-            return budget
-        affordable = (target_ms / 1000 - base) / per_token - num_decode
-        budget.prefill_left = max(0, min(budget.prefill_left,
-                                         math.floor(affordable + 1e-9)))  # float noise
-        return budget
-
-    def _schedule_running(self, plan: StepPlan, budget: _StepBudget) -> None:
+    def _schedule_running(self, plan: StepPlan, budget: StepBudget) -> None:
         index = 0
         while index < len(self.running) and budget.tokens_left > 0:
             request = self.running[index]
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens,
                           budget.tokens_left,
                           self.config.max_model_len - request.num_computed_tokens)
-            if not _is_decoding(request):
+            if not is_decoding(request):
                 num_new = min(num_new, budget.prefill_room)
             if not self._allocate_or_preempt(request, num_new, plan, budget):
                 break  # the request preempted itself: it was the last one
@@ -265,7 +209,7 @@ class Scheduler:
                 request.spec_token_ids[:num_drafts]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
-                             budget: _StepBudget) -> bool:
+                             budget: StepBudget) -> bool:
         """Make room by preempting the last admitted requests; False if `request` went."""
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self.running.pop()
@@ -289,7 +233,7 @@ class Scheduler:
         # Workers drop its state now; it comes back as a new request.
         plan.finished_request_ids.add(request.request_id)
 
-    def _schedule_waiting(self, plan: StepPlan, budget: _StepBudget) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: StepBudget) -> None:
         while (self.waiting and budget.prefill_room > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
@@ -347,7 +291,7 @@ class Scheduler:
             self.stats.prompt_tokens += request.num_prompt_tokens
             self.stats.visual_tokens += request.num_visual_tokens
 
-    def _schedule_encoder(self, request: Request, num_new: int, budget: _StepBudget
+    def _schedule_encoder(self, request: Request, num_new: int, budget: StepBudget
                           ) -> tuple[int, list[int]]:
         """Reference the media items the window overlaps; encode the missing ones.
 
@@ -376,15 +320,9 @@ class Scheduler:
                 elif feature.is_encoded:  # its embeddings travel like pixels, cost no compute
                     to_encode.append(index)
                 else:
-                    if budget.free_encodings:
-                        budget.free_encodings -= 1
-                    elif budget.held:  # the encoding and the window through the item fit
-                        cost = feature.num_encoder_tokens * budget.encoder_token_cost
-                        window = _window_into(feature, start)
-                        if cost + window > budget.prefill_left:
-                            budget.blocked_window = budget.blocked_window or window
-                            return max(0, placeholder.offset - start), to_encode
-                        budget.prefill_left -= cost
+                    if not budget.take_encoding(feature, start):
+                        return max(0, placeholder.offset - start), to_encode
+                    if budget.held:  # the encoding took room from the window
                         num_new = _without_split_spans(request, start,
                                                        min(num_new, budget.prefill_room))
                     budget.encoder_tokens_left -= feature.num_encoder_tokens
@@ -398,13 +336,10 @@ class Scheduler:
             request.encoder_cache_hits += cached
         return num_new, to_encode
 
-    def _record(self, plan: StepPlan, budget: _StepBudget, request: Request, num_new: int,
+    def _record(self, plan: StepPlan, budget: StepBudget, request: Request, num_new: int,
                 encoder_inputs: list[int]) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_new
-        budget.tokens_left -= num_new
-        if not _is_decoding(request):
-            budget.prefill_left -= num_new
-            budget.prefill_scheduled += num_new
+        budget.take_tokens(request, num_new)
         self.stats.computed_tokens += num_new
         if request.export_kv and request.num_output_tokens == 0 \
                 and request.num_computed_tokens + num_new == request.num_tokens:
@@ -500,21 +435,6 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
         self.stats.finished[status.finish_reason] += 1
-
-
-def _is_decoding(request: Request) -> bool:
-    """Past its prompt, one sampled token (and any drafts) left to compute."""
-    return request.num_output_tokens > 0 and \
-        request.num_computed_tokens >= request.num_tokens - 1
-
-
-def _window_into(feature, start: int) -> int:
-    """The shortest window from `start` that reaches the item's first token left
-    to compute without ending inside one of its bidirectional spans."""
-    first = max(start, feature.placeholder.offset)
-    end = next((span_end for span_start, span_end in feature.bidirectional_spans
-                if span_start <= first < span_end), first + 1)
-    return end - start
 
 
 def _without_split_spans(request: Request, start: int, num_new: int) -> int:

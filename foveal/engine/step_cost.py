@@ -9,8 +9,9 @@ feature whose coefficient would go negative is dropped from that fit). The
 first step is not used (it pays one-time costs: kernels built, the heap grown,
 first-use dispatch, on the engine's largest prefill, where one point would
 pull the whole line), and a step that took over twice what the fit of the
-other steps predicts for it is left out and the fit redone: a first use of a kernel later on or a pause of the
-process must not make every later step look expensive. A cost is fitted only from
+other steps predicts for it is left out and the fit redone: a first use of a
+kernel later on or a pause of the process must not make every later step look
+expensive. A cost is fitted only from
 enough steps that differ in it (`min_points` of them `min_spread` tokens or
 more away from the median step). The machine, the model and the context lengths
 set the numbers, so they are measured here rather than configured. The
@@ -85,8 +86,7 @@ class StepCostModel:
             # each step's prediction from the fit without it (a large step pulls the
             # line through itself: its own residual says nothing)
             leverage = np.einsum("ij,ji->i", columns, np.linalg.pinv(columns))
-            residual = rows[:, 2] - columns @ np.array(
-                [coef[k] * (_SCALE if k else 1.0) for k in kept])
+            residual = rows[:, 2] - (coef[0] + rows[:, :2] @ np.array(coef[1:]))
             judged = leverage < 0.99
             without = rows[:, 2] - residual / np.where(judged, 1 - leverage, 1.0)
             excess = np.where(judged, rows[:, 2] - (_SLOW * np.maximum(without, 0) + 1e-3),
