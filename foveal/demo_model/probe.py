@@ -112,14 +112,22 @@ class VisualTokenProbe(torch.nn.Module):
     def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
              shapes: list[torch.Tensor], grids: list[torch.Tensor],
              scenes: tuple[torch.Tensor, torch.Tensor], chars: torch.Tensor | None = None,
-             char_weight: float = 0.0) -> torch.Tensor:
+             char_weight: float = 0.0, shape_weight: float = 0.0) -> torch.Tensor:
+        """The stage-1 loss. `shape_weight` adds the shape head's cross-entropy over
+        the cells a shape covers alone, so that naming the shape weighs as much
+        wherever there is one, however many empty cells the batch holds."""
         features = torch.cat(features).float()
         colours = torch.cat([self.targets(p) for p in pixels])
         where = torch.cat([self.positions(g) for g in grids])
+        shape_logits, shapes = self.shape_head(features), torch.cat(shapes)
         loss = (torch.nn.functional.cross_entropy(self.head(features), colours)
-                + torch.nn.functional.cross_entropy(self.shape_head(features), torch.cat(shapes))
+                + torch.nn.functional.cross_entropy(shape_logits, shapes)
                 + 10 * torch.nn.functional.mse_loss(self.position_head(features), where)
                 + self.SCENE_WEIGHT * self.scene_loss(features, *scenes))
+        covered = shapes > 0
+        if shape_weight and covered.any():
+            loss = loss + shape_weight * torch.nn.functional.cross_entropy(shape_logits[covered],
+                                                                           shapes[covered])
         if chars is None or not char_weight:
             return loss
         return loss + char_weight * self.char_loss(features, chars)

@@ -68,6 +68,11 @@ class TrainConfig:
     # the characters alone, not yet beside the other heads.
     pages_per_batch: int = 0
     char_weight: float = 0.0
+    # Stage 1: weight of an extra shape loss on the cells a shape covers alone (probe.loss);
+    # 0 (the shipped model) leaves shape identity to the head's loss over every cell, where
+    # the empty cells outnumber the covered ones and the tower learnt it to 0.32 per cell
+    # (docs/benchmarks.md, "Demo model").
+    shape_weight: float = 0.0
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
     min_lr_ratio: float = 0.05
@@ -94,6 +99,8 @@ class TrainConfig:
                              f"the tasks are {', '.join(TASKS)}")
         if any(not weight >= 0 for weight in given.values()):  # rejects NaN too
             raise ConfigError(f"task weights must be >= 0, got {given}")
+        if not self.shape_weight >= 0:
+            raise ConfigError(f"shape_weight must be >= 0, got {self.shape_weight}")
         if not any(self.mix()):
             raise ConfigError("task_weights leave every task out")
 
@@ -364,7 +371,7 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
                 media = _run_vision_tower(model, batch)
                 loss = probe.loss(merged, [batch[k] for k, _ in media], data["shapes"],
                                   [batch[g] for _, g in media], data["scenes"],
-                                  data["chars"], cfg.char_weight)
+                                  data["chars"], cfg.char_weight, cfg.shape_weight)
             else:
                 loss = answer_loss(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)

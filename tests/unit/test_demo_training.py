@@ -190,6 +190,26 @@ def test_scene_loss_covers_every_visual_token_in_the_towers_order(scaffold):
     assert torch.isfinite(loss) and loss > 0
 
 
+def test_shape_weight_adds_the_shape_loss_on_covered_cells_alone(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    items = [encoder.encode(make_sample("eval", i)) for i in (0, 1)]  # shapes, count
+    batch = collate(items, pad_id=0)
+    shapes = batch_shape_targets(items)
+    covered = torch.cat(shapes) > 0
+    assert 0 < int(covered.sum()) < len(covered)
+    hidden = hf_config["text_config"]["hidden_size"]
+    probe = VisualTokenProbe(hidden, encoder.images.image_mean, encoder.images.image_std)
+    features = [torch.randn(len(covered), hidden)]
+    args = ([batch["pixel_values"]], shapes, [batch["image_grid_thw"]], batch_scene_targets(items))
+    plain, weighted = probe.loss(features, *args), probe.loss(features, *args, shape_weight=3.0)
+    expected = torch.nn.functional.cross_entropy(probe.shape_head(features[0])[covered],
+                                                 torch.cat(shapes)[covered])
+    assert (weighted - plain).item() == pytest.approx(3 * expected.item(), rel=1e-5)
+    with pytest.raises(ConfigError, match="shape_weight"):
+        TrainConfig(shape_weight=-1.0)
+
+
 def test_answer_loss_weighs_each_sample_equally():
     logits = torch.zeros(2, 4, 8)
     labels = torch.full((2, 4), IGNORE_INDEX)

@@ -1,11 +1,18 @@
-"""Diagnostic for the demo model's reading: can the vision tower learn glyphs from
-local targets? Continues a `foveal train-demo` run's tower (OUT/train_state.pt, or a
-fresh one with --fresh) on `read` samples only, with the per-token character targets
-of training's stage 1 (encode.char_targets: the characters whose centres fall in the
-token's 28 px cell, left to right, 0: none). Prints held-out accuracy on the
-non-empty slots (48 read samples) every 100 steps; chance is about 1/36.
+"""Diagnostic for the demo model's vision tower: can it learn a per-token target
+alone? Continues a `foveal train-demo` run's tower (OUT/train_state.pt, or a fresh
+one with --fresh) with one linear head on the merged visual tokens, on one kind of
+target from training's stage 1:
 
-    python scripts/demo_read_probe.py OUT --seconds 600 [--fresh]
+  chars   `read` samples; each token names the characters whose centres fall in
+          its 28 px cell, left to right (encode.char_targets, 0: none). Chance ~1/36.
+  shapes  `shapes`, `count` and `position` samples; each token names the shape
+          covering its cell (encode.shape_targets, 0: none). Chance 1/5.
+
+Prints held-out accuracy on the tokens that hold something (the non-empty
+character slots, the cells a shape covers) every 100 steps; empty targets weigh
+--empty-weight in the loss.
+
+    python scripts/demo_tower_probe.py OUT --seconds 600 [--fresh] [--target shapes]
 """
 from __future__ import annotations
 
@@ -17,14 +24,20 @@ from pathlib import Path
 import torch
 
 from foveal.demo_model.encode import CHAR_SLOTS, TEXT_CHARS, SampleEncoder, char_targets, collate
+from foveal.demo_model.render import SHAPES
 from foveal.demo_model.tasks import make_sample
 from foveal.demo_model.train import _run_vision_tower, build_hf_model
+
+SHAPE_TASKS = ("shapes", "count", "position")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="a train-demo working folder (scaffold/, train_state.pt)")
+    parser.add_argument("--target", choices=("chars", "shapes"), default="chars")
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--empty-weight", type=float, default=0.1)
     parser.add_argument("--fresh", action="store_true", help="start from a random tower")
     args = parser.parse_args()
     out = Path(args.out)
@@ -34,24 +47,29 @@ def main() -> None:
     if not args.fresh:
         model.load_state_dict(torch.load(out / "train_state.pt", weights_only=False)["model"])
     tower = model.model.visual
-    head = torch.nn.Linear(hf_config["text_config"]["hidden_size"], CHAR_SLOTS * (len(TEXT_CHARS) + 1))
+    slots, classes = (CHAR_SLOTS, len(TEXT_CHARS) + 1) if args.target == "chars" else (1, len(SHAPES) + 1)
+    head = torch.nn.Linear(hf_config["text_config"]["hidden_size"], slots * classes)
     merged: list[torch.Tensor] = []
     tower.merger.register_forward_hook(lambda _m, _i, output: merged.append(output))
     optimizer = torch.optim.AdamW([*tower.parameters(), *head.parameters()], lr=args.lr,
                                   weight_decay=0.05)
 
     def batch(split: str, start: int, n: int = 16):
-        samples = [make_sample(split, start + i, task="read") for i in range(n)]
+        tasks = ("read",) if args.target == "chars" else SHAPE_TASKS
+        samples = [make_sample(split, start + i, task=tasks[i % len(tasks)]) for i in range(n)]
         items = [encoder.encode(s) for s in samples]
-        targets = torch.cat([char_targets(s.texts[0], s.images[0].width, s.images[0].height,
-                                          item.image_grid_thw[0]) for s, item in zip(samples, items)])
-        return collate(items, pad_id=0), targets
+        if args.target == "chars":
+            targets = torch.cat([char_targets(s.texts[0], s.images[0].width, s.images[0].height,
+                                              item.image_grid_thw[0]) for s, item in zip(samples, items)])
+        else:
+            targets = torch.cat([t for item in items for t in item.image_shape_targets])
+        return collate(items, pad_id=0), targets.view(-1, slots)
 
     def logits(inputs) -> torch.Tensor:
         merged.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _run_vision_tower(model, inputs)
-        return head(torch.cat(merged).float()).view(-1, CHAR_SLOTS, len(TEXT_CHARS) + 1)
+        return head(torch.cat(merged).float()).view(-1, slots, classes)
 
     @torch.no_grad()
     def accuracy() -> float:
@@ -69,9 +87,9 @@ def main() -> None:
     print(f"start: accuracy {accuracy():.3f}", flush=True)
     while time.time() - start < args.seconds:
         inputs, targets = batch("train", 10**7 + step * 16)
-        weight = torch.where(targets > 0, 1.0, 0.1).view(-1)  # the many empty slots count less
+        weight = torch.where(targets > 0, 1.0, args.empty_weight).view(-1)
         scores = logits(inputs)
-        loss = (torch.nn.functional.cross_entropy(scores.view(-1, scores.shape[-1]), targets.view(-1),
+        loss = (torch.nn.functional.cross_entropy(scores.view(-1, classes), targets.view(-1),
                                                   reduction="none") * weight).sum() / weight.sum()
         optimizer.zero_grad()
         loss.backward()
