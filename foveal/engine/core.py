@@ -40,7 +40,7 @@ class EngineCore:
         started = time.perf_counter()
         runner_output = self.executor.execute(plan, self._payloads(plan))
         self.scheduler.step_cost.observe(plan.total_num_scheduled_tokens, plan.num_encoder_tokens,
-                                         time.perf_counter() - started)
+                                         time.perf_counter() - started, plan.sized_to_target)
         return self.scheduler.update_from_output(plan, runner_output)
 
     def _payloads(self, plan: StepPlan) -> dict[str, dict]:

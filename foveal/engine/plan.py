@@ -104,6 +104,8 @@ class StepPlan:
         after this step's forward, for a decode worker to continue from.
     num_encoder_tokens: visual tokens the vision tower computes this step (the
         engine's step cost model reads it beside the step's time).
+    sized_to_target: prompt work sized to fit beside decode rows in
+        `target_itl_ms` (the step cost model compares its time with the fit's).
     """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -118,6 +120,7 @@ class StepPlan:
     kv_imports: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     kv_exports: dict[str, int] = field(default_factory=dict)
     num_encoder_tokens: int = 0
+    sized_to_target: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -159,6 +159,7 @@ class Scheduler:
         if not budget.preempted:
             self._schedule_waiting(plan, budget)
         plan.num_encoder_tokens = self.config.encoder_compute_budget - budget.encoder_tokens_left
+        plan.sized_to_target = budget.sized and budget.prefill_scheduled > 0
         if budget.held:
             self.stats.itl_capped_steps += 1
             stalled = budget.prefill_scheduled == 0 and (

@@ -32,6 +32,7 @@ class StepBudget:
     # encoding) may still take, in tokens; inf: no limit beyond tokens_left.
     prefill_left: float = math.inf
     held: bool = False  # held to the target: encodings are charged, encoder_token_cost each
+    sized: bool = False  # held, and not a progress step: sized to the target
     encoder_token_cost: float = 0.0
     free_encodings: int = 0  # in a progress step: encodings not charged
     prefill_scheduled: int = 0  # prompt tokens (not decode rows) scheduled so far
@@ -85,7 +86,9 @@ def step_budget(config: SchedulerConfig, running: list[Request], step_cost: Step
         budget.prefill_left = min(budget.prefill_left, progress_window)
         budget.free_encodings = 1
         return budget
-    affordable = (config.target_itl_ms / 1000 - base) / per_token - num_decode
+    budget.sized = True
+    target = config.target_itl_ms / 1000 / step_cost.correction
+    affordable = (target - base) / per_token - num_decode
     budget.prefill_left = max(0, min(budget.prefill_left,
                                      math.floor(affordable + 1e-9)))  # float noise
     return budget

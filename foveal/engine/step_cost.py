@@ -17,6 +17,12 @@ more away from the median step). The machine, the model and the context lengths
 set the numbers, so they are measured here rather than configured. The
 scheduler reads them to size prefill chunks that keep decode steps near a
 target inter-token latency (`target_itl_ms`).
+
+A straight line through steps of every size misses the cost of the steps the
+target sizes (a few decode rows and a prompt chunk: measured up to a third over
+the line on the `small` preset, whose per-token cost falls with the step's
+size). Those steps are reported (`sized=True`) and `correction` is the median of
+their measured over predicted time, which the scheduler divides the target by.
 """
 from __future__ import annotations
 
@@ -28,28 +34,46 @@ import numpy as np
 # Tokens (and encoder tokens) are fitted per thousand: columns of like size.
 _SCALE = 1000.0
 _SLOW = 2.0  # a step this many times its predicted time (plus 1 ms) is an outlier
+_CORRECTION_RANGE = (0.5, 4.0)
 
 
 class StepCostModel:
-    def __init__(self, window: int = 64, min_spread: int = 16, min_points: int = 3):
+    def __init__(self, window: int = 64, min_spread: int = 16, min_points: int = 3,
+                 sized_window: int = 16):
         """window: steps the fit reads (the newest). A cost needs min_points steps
         at least min_spread tokens away from the median step, else it cannot be
-        told from the base: until the per-token cost can, the last fit stays."""
+        told from the base: until the per-token cost can, the last fit stays.
+        sized_window: the newest sized steps `correction` reads (min_points of
+        them at least)."""
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._sized: deque[float] = deque(maxlen=sized_window)
         self._min_spread = min_spread
         self._min_points = min_points
         self._coef: tuple[float, float, float] | None = None
         self._stale = False
         self._seen_first = False
 
-    def observe(self, tokens: int, encoder_tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, encoder_tokens: int, seconds: float, sized: bool = False) -> None:
+        """A step's measured time; `sized`: the scheduler sized it to the target."""
         if tokens <= 0 and encoder_tokens <= 0:
             return  # a plan that only told the workers to drop state
         if not self._seen_first:
             self._seen_first = True
             return
+        predicted = self.predict(tokens, encoder_tokens) if sized else None
+        if predicted:  # from the fit the step was sized by, before this step joins it
+            self._sized.append(seconds / predicted)
         self._steps.append((tokens, encoder_tokens, seconds))
         self._stale = True
+
+    @property
+    def correction(self) -> float:
+        """Measured over predicted time of the newest sized steps (their median,
+        within 0.5-4), or 1 until there are min_points of them."""
+        if len(self._sized) < self._min_points:
+            return 1.0
+        low, high = _CORRECTION_RANGE
+        return float(min(high, max(low, np.median(self._sized))))
 
     @property
     def ready(self) -> bool:

@@ -8,6 +8,7 @@ from test_scheduler import (FakeExecutor, assert_all_returned, image, image_prom
                             make_scheduler, run_to_completion)
 
 from foveal.engine.core import EngineCore
+from foveal.engine.step_cost import StepCostModel
 
 # Steps cost 10 ms + 1 ms per token + 2 ms per encoder token; at a 30 ms target a
 # step holds 20 tokens, decode rows included, and an encoder token counts as 2.
@@ -178,6 +179,45 @@ def test_the_engine_core_times_each_step_into_the_model(monkeypatch):
         core.step()
     # with the fit in hand the cap holds: 20 tokens a step, "a"'s decode row among them
     assert core.scheduler.schedule().total_num_scheduled_tokens == 20
+
+
+def test_sized_steps_settle_at_the_target_when_the_line_underestimates_them(monkeypatch):
+    """Mixed steps cost 1.5x the line through the others: the fit and its
+    correction bring the steps sized to 30 ms back to it within a few steps."""
+    clock, sized = [0.0], []
+
+    class ConcaveExecutor(FakeExecutor):
+        def execute(self, plan, mm_payloads=None):
+            seconds = BASE + PER_TOKEN * plan.total_num_scheduled_tokens
+            seconds *= 1.5 if len(plan.num_scheduled_tokens) > 1 else 1.0
+            clock[0] += seconds
+            if plan.sized_to_target:
+                sized.append(seconds)
+            return super().execute(plan, mm_payloads)
+
+    monkeypatch.setattr("foveal.engine.core.time.perf_counter", lambda: clock[0])
+    core = EngineCore(seeded(make_scheduler(max_tokens=64, target_itl_ms=30)), ConcaveExecutor(4))
+    core.add_request(make_request("a", [1, 2, 3, 4], max_tokens=200))
+    core.step()
+    for index in range(6):
+        first = 1000 * (index + 1)
+        core.add_request(make_request(f"p{index}", list(range(first, first + 120)), max_tokens=1))
+    while core.scheduler.waiting or len(core.scheduler.running) > 1:
+        core.step()
+    assert sized[0] == pytest.approx(0.045)  # 20 tokens on the line's word
+    assert all(0.025 <= seconds <= 0.0305 for seconds in sized[5:-1])  # the last: what was left
+
+
+def test_the_correction_divides_the_target():
+    class Corrected(StepCostModel):
+        correction = 1.5
+
+    scheduler, executor = make_scheduler(max_tokens=64, target_itl_ms=30), FakeExecutor(4)
+    scheduler.step_cost = Corrected()
+    seeded(scheduler)
+    decoding_then(scheduler, executor, make_request("b", list(range(10, 110)), max_tokens=2))
+    # (30 ms / 1.5 - 10 ms) / 1 ms per token = 10 tokens, the decode row among them
+    assert step(scheduler, executor).num_scheduled_tokens == {"a": 1, "b": 9}
 
 
 def test_the_option_from_the_command_line_and_its_bad_values():

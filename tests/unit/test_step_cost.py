@@ -80,3 +80,24 @@ def test_plans_that_compute_nothing_are_not_steps():
     for tokens in (1, 64, 2, 40, 80):
         model.observe(tokens, 0, linear(tokens, 0))
     assert model.coefficients == pytest.approx((0.010, 0.001, 0.0))
+
+
+def test_correction_is_the_median_ratio_of_sized_steps_to_the_fit():
+    model = started()
+    for tokens, encoder_tokens in POINTS:
+        model.observe(tokens, encoder_tokens, linear(tokens, encoder_tokens))
+    model.observe(30, 0, 2 * linear(30, 0))  # not sized: the fit's business alone
+    assert model.correction == 1.0
+    for ratio in (1.2, 1.5, 9.0):  # min_points sized steps; the median ignores the pause
+        model.observe(20, 0, ratio * model.predict(20), sized=True)
+        assert model.correction == (1.5 if ratio == 9.0 else 1.0)
+    for _ in range(16):  # the newest sized_window steps, within 0.5-4
+        model.observe(20, 0, 0.1 * model.predict(20), sized=True)
+    assert model.correction == 0.5
+
+
+def test_sized_steps_before_a_fit_are_not_counted():
+    model = started()
+    for _ in range(5):
+        model.observe(20, 0, 0.05, sized=True)
+    assert not model.ready and model.correction == 1.0
