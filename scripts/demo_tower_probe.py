@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from foveal.demo_model.encode import CHAR_SLOTS, TEXT_CHARS, SampleEncoder, char_targets, collate
+from foveal.demo_model.encode import (
+    CHAR_SLOTS, TEXT_CHARS, SampleEncoder, batch_char_targets, batch_shape_targets, collate,
+)
 from foveal.demo_model.render import SHAPES
 from foveal.demo_model.tasks import make_sample
 from foveal.demo_model.train import _run_vision_tower, build_hf_model
@@ -58,11 +60,8 @@ def main() -> None:
         tasks = ("read",) if args.target == "chars" else SHAPE_TASKS
         samples = [make_sample(split, start + i, task=tasks[i % len(tasks)]) for i in range(n)]
         items = [encoder.encode(s) for s in samples]
-        if args.target == "chars":
-            targets = torch.cat([char_targets(s.texts[0], s.images[0].width, s.images[0].height,
-                                              item.image_grid_thw[0]) for s, item in zip(samples, items)])
-        else:
-            targets = torch.cat([t for item in items for t in item.image_shape_targets])
+        targets = batch_char_targets(items) if args.target == "chars" else \
+            torch.cat(batch_shape_targets(items))
         return collate(items, pad_id=0), targets.view(-1, slots)
 
     def logits(inputs) -> torch.Tensor:
