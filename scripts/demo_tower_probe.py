@@ -28,7 +28,8 @@ from foveal.demo_model.encode import (
 )
 from foveal.demo_model.render import SHAPES
 from foveal.demo_model.tasks import make_sample
-from foveal.demo_model.train import _run_vision_tower, build_hf_model
+from foveal.demo_model.probe import run_vision_tower
+from foveal.demo_model.train import build_hf_model
 
 SHAPE_TASKS = ("shapes", "count", "position")
 
@@ -67,7 +68,7 @@ def main() -> None:
     def logits(inputs) -> torch.Tensor:
         merged.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            _run_vision_tower(model, inputs)
+            run_vision_tower(model, inputs)
         return head(torch.cat(merged).float()).view(-1, slots, classes)
 
     @torch.no_grad()

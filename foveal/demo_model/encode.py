@@ -24,6 +24,7 @@ TEXT_SLOTS = 4
 # 28 px cell, left to right (a glyph at the tasks' sizes is at least 7 px wide)
 CHAR_SLOTS = 4
 MAX_COUNT = 9
+MAX_CENTRES = 2  # centre_targets' classes are 0 .. MAX_CENTRES
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class Encoded:
     video_scene_targets: list[tuple[torch.Tensor, torch.Tensor]]
     # per image: (tokens, CHAR_SLOTS) the characters in each token's cell, in order (char_targets)
     image_char_targets: list[torch.Tensor] = field(default_factory=list)
+    # per image / video: how many shape centres fall in each token's cell (centre_targets)
+    image_centre_targets: list[torch.Tensor] = field(default_factory=list)
+    video_centre_targets: list[torch.Tensor] = field(default_factory=list)
 
 
 class SampleEncoder:
@@ -71,13 +75,16 @@ class SampleEncoder:
         images = [self._image_processor(image, rng, augment).process(image) for image in sample.images]
         targets = [shape_targets([objects], image.width, image.height, item.grid_thw)
                    for image, objects, item in zip(sample.images, sample.objects, images)]
-        videos, video_targets = [], []
+        centres = [centre_targets([objects], image.width, image.height, item.grid_thw)
+                   for image, objects, item in zip(sample.images, sample.objects, images)]
+        videos, video_targets, video_centres = [], [], []
         if sample.video is not None:
             video, kept = self._process_video(sample, rng, augment)
             videos.append(video)
             height, width = sample.video[0].shape[:2]
-            video_targets.append(shape_targets([sample.objects[i] for i in kept], width, height,
-                                               video.grid_thw))
+            frames = [sample.objects[i] for i in kept]
+            video_targets.append(shape_targets(frames, width, height, video.grid_thw))
+            video_centres.append(centre_targets(frames, width, height, video.grid_thw))
         prompt_ids, _ = expand_mm_placeholders(prompt_ids, {"image": (self.image_token_id, images),
                                                             "video": (self.video_token_id, videos)})
         input_ids, labels = list(prompt_ids), [IGNORE_INDEX] * len(prompt_ids)
@@ -104,7 +111,8 @@ class SampleEncoder:
                        [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, video_targets)],
                        [char_targets(sample.texts[i] if i < len(sample.texts) else [], image.width,
                                      image.height, item.grid_thw)
-                        for i, (image, item) in enumerate(zip(sample.images, images))])
+                        for i, (image, item) in enumerate(zip(sample.images, images))],
+                       centres, video_centres)
 
     @staticmethod
     def _follow_ups(sample: Sample, rng, augment) -> list[tuple[str, str]]:
@@ -135,14 +143,20 @@ class SampleEncoder:
         return self.videos.process(decoded), kept
 
 
+def _cell_grid(grid_thw: tuple[int, int, int], width: int, height: int, patch: int,
+               merge: int) -> tuple[int, int, int, int, float, float]:
+    """(temporal patches, rows, columns, cell side in processed pixels, x and y scale
+    from source to processed pixels) of one image's or clip's visual tokens."""
+    t, h, w = grid_thw
+    return t, h // merge, w // merge, patch * merge, w * patch / width, h * patch / height
+
+
 def shape_targets(frames: list[list[tuple]], width: int, height: int,
                   grid_thw: tuple[int, int, int], patch: int = 14, merge: int = 2) -> torch.Tensor:
     """Per visual token (temporal patch by temporal patch, row-major merge
     windows): the class of the shape covering the middle of its cell, from the
     objects drawn on each frame (temporal patch t reads frame 2t)."""
-    t, h, w = grid_thw
-    rows, cols, cell = h // merge, w // merge, patch * merge
-    sx, sy = w * patch / width, h * patch / height
+    t, rows, cols, cell, sx, sy = _cell_grid(grid_thw, width, height, patch, merge)
     out = torch.zeros((t, rows, cols), dtype=torch.long)
     for index in range(t):
         for cx, cy, size, shape in frames[min(len(frames) - 1, 2 * index)]:
@@ -154,6 +168,21 @@ def shape_targets(frames: list[list[tuple]], width: int, height: int,
     return out.flatten()
 
 
+def centre_targets(frames: list[list[tuple]], width: int, height: int,
+                   grid_thw: tuple[int, int, int], patch: int = 14, merge: int = 2) -> torch.Tensor:
+    """Per visual token (in shape_targets' order): how many of the drawn shapes have
+    their centre in its cell, at most MAX_CENTRES. Summed over an image's tokens it is
+    the image's object count: a target each token can learn from its own
+    neighbourhood, which the decoder can then count."""
+    t, rows, cols, cell, sx, sy = _cell_grid(grid_thw, width, height, patch, merge)
+    out = torch.zeros((t, rows, cols), dtype=torch.long)
+    for index in range(t):
+        for cx, cy, _, _ in frames[min(len(frames) - 1, 2 * index)]:
+            row, col = min(rows - 1, int(cy * sy // cell)), min(cols - 1, int(cx * sx // cell))
+            out[index, row, col] += 1
+    return out.clamp_(max=MAX_CENTRES).flatten()
+
+
 def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
                  patch: int = 14, merge: int = 2, min_scale: float = 0.6) -> torch.Tensor:
     """(tokens, CHAR_SLOTS) per visual token: the classes (1 + TEXT_CHARS index; 0: none)
@@ -161,9 +190,7 @@ def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[i
     text runs drawn on the image. Reading the tokens of a line in order, and each
     token's slots in order, spells the line. IGNORE_INDEX everywhere when the processor
     shrank the image below `min_scale`: the glyphs are then too blurred to name."""
-    t, h, w = grid_thw
-    rows, cols, cell = h // merge, w // merge, patch * merge
-    sx, sy = w * patch / width, h * patch / height
+    t, rows, cols, cell, sx, sy = _cell_grid(grid_thw, width, height, patch, merge)
     out = torch.zeros((rows, cols, CHAR_SLOTS), dtype=torch.long)
     if min(sx, sy) < min_scale:
         out.fill_(IGNORE_INDEX)
@@ -234,11 +261,29 @@ def collate(batch: list[Encoded], pad_id: int, image_token_id: int = 12,
     return out
 
 
+def to_device(value, device: torch.device):
+    """Tensors in nested dicts, lists and tuples moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
 def batch_shape_targets(batch: list[Encoded]) -> list[torch.Tensor]:
     """Shape targets in the order the vision tower sees the batch: every image
     (sample order), then every video."""
     images = [t for item in batch for t in item.image_shape_targets]
     videos = [t for item in batch for t in item.video_shape_targets]
+    return [torch.cat(group) for group in (images, videos) if group]
+
+
+def batch_centre_targets(batch: list[Encoded]) -> list[torch.Tensor]:
+    """Centre targets in batch_shape_targets' order."""
+    images = [t for item in batch for t in item.image_centre_targets]
+    videos = [t for item in batch for t in item.video_centre_targets]
     return [torch.cat(group) for group in (images, videos) if group]
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from foveal.demo_model.encode import CHAR_SLOTS, IGNORE_INDEX, MAX_COUNT, TEXT_CHARS, TEXT_SLOTS
+from foveal.demo_model.encode import (
+    CHAR_SLOTS, IGNORE_INDEX, MAX_CENTRES, MAX_COUNT, TEXT_CHARS, TEXT_SLOTS, SampleEncoder,
+    batch_char_targets, batch_scene_targets, batch_shape_targets, collate, to_device,
+)
 from foveal.demo_model.render import COLORS, SHAPES
-from foveal.demo_model.tasks import DIRECTIONS
+from foveal.demo_model.tasks import DIRECTIONS, make_sample
 
 
 class VisualTokenProbe(torch.nn.Module):
@@ -27,7 +30,10 @@ class VisualTokenProbe(torch.nn.Module):
     Character head: each token names the characters whose centres fall in its
     cell, left to right (encode.char_targets), learnt mostly from
     training-only pages of text (tasks.make_page); the decoder then reads a word
-    off the tokens it covers, left to right."""
+    off the tokens it covers, left to right.
+
+    Centre head: each token says how many shapes have their centre in its cell
+    (encode.centre_targets), so an image's count is the sum over its tokens."""
 
     NUM_CLASSES = len(COLORS) + 2  # background, colours..., ink
     # each scene column (encode.scene_targets) and its class count
@@ -38,7 +44,8 @@ class VisualTokenProbe(torch.nn.Module):
     CHAR_CLASSES = len(TEXT_CHARS) + 1  # 0: no (further) character in the cell
     EMPTY_CHAR_WEIGHT = 0.1  # most cells hold no text; they count less
 
-    def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2):
+    def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2,
+                 centres: bool = False):
         super().__init__()
         self.head = torch.nn.Linear(hidden, self.NUM_CLASSES)
         self.shape_head = torch.nn.Linear(hidden, len(SHAPES) + 1)
@@ -46,6 +53,8 @@ class VisualTokenProbe(torch.nn.Module):
         self.scene_head = torch.nn.Linear(hidden, sum(self.SCENE_GROUPS))
         self.where_head = torch.nn.Linear(hidden, 2)
         self.char_head = torch.nn.Linear(hidden, CHAR_SLOTS * self.CHAR_CLASSES)
+        # only in runs that train it, so that older training states still load
+        self.centre_head = torch.nn.Linear(hidden, MAX_CENTRES + 1) if centres else None
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1), persistent=False)
         self.register_buffer("palette", torch.tensor(list(COLORS.values()), dtype=torch.float32) / 255,
@@ -109,13 +118,24 @@ class VisualTokenProbe(torch.nn.Module):
         per_slot = torch.nn.functional.cross_entropy(logits, chars.clamp(min=0), reduction="none")
         return (per_slot * weight).sum() / weight.sum().clamp(min=1e-6)
 
+    def centre_loss(self, features: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the centre head, the cells holding a centre and the others
+        weighing half each (a few cells per image hold one)."""
+        per_token = torch.nn.functional.cross_entropy(self.centre_head(features), centres,
+                                                      reduction="none")
+        held = centres > 0
+        parts = [per_token[mask].mean() for mask in (held, ~held) if mask.any()]
+        return torch.stack(parts).mean()
+
     def loss(self, features: list[torch.Tensor], pixels: list[torch.Tensor],
              shapes: list[torch.Tensor], grids: list[torch.Tensor],
              scenes: tuple[torch.Tensor, torch.Tensor], chars: torch.Tensor | None = None,
-             char_weight: float = 0.0, shape_weight: float = 0.0) -> torch.Tensor:
+             char_weight: float = 0.0, shape_weight: float = 0.0,
+             centres: list[torch.Tensor] | None = None, centre_weight: float = 0.0) -> torch.Tensor:
         """The stage-1 loss. `shape_weight` adds the shape head's cross-entropy over
         the cells a shape covers alone, so that naming the shape weighs as much
-        wherever there is one, however many empty cells the batch holds."""
+        wherever there is one, however many empty cells the batch holds;
+        `centre_weight` adds the centre head's loss (centre_loss)."""
         features = torch.cat(features).float()
         colours = torch.cat([self.targets(p) for p in pixels])
         where = torch.cat([self.positions(g) for g in grids])
@@ -128,6 +148,76 @@ class VisualTokenProbe(torch.nn.Module):
         if shape_weight and covered.any():
             loss = loss + shape_weight * torch.nn.functional.cross_entropy(shape_logits[covered],
                                                                            shapes[covered])
+        if self.centre_head is not None and centres is not None and centre_weight:
+            loss = loss + centre_weight * self.centre_loss(features, torch.cat(centres))
         if chars is None or not char_weight:
             return loss
         return loss + char_weight * self.char_loss(features, chars)
+
+
+def run_vision_tower(model, batch: dict) -> list[tuple[str, str]]:
+    """The tower alone on the batch's images, then its videos (the probe's hook
+    collects the merged tokens); returns the (pixels, grid) keys it ran."""
+    media = [(k, g) for k, g in (("pixel_values", "image_grid_thw"),
+                                 ("pixel_values_videos", "video_grid_thw")) if k in batch]
+    for pixels, grid in media:
+        model.model.visual(batch[pixels], grid_thw=batch[grid])
+    return media
+
+
+@torch.no_grad()
+def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_samples: int,
+                   bf16: bool, batch_size: int = 16) -> dict[str, float]:
+    """Stage 1's held-out score: per visual token, how often the scene heads name
+    the object count, the shapes' colours, the text's characters and the motion
+    direction (where the scene says), the per-cell colour head, the shape head on
+    the cells a shape covers ("cell_shape") and the character head on the cells
+    that hold a character ("chars"); with a centre head, how often the counts it
+    names over an image's (or clip's) tokens add up to the shapes drawn
+    ("centre_count", per image)."""
+    merged: list[torch.Tensor] = []
+    hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
+    hits = {name: [0, 0] for name in ["cell_color", "cell_shape", "chars",
+                                      *dict.fromkeys(probe.SCENE_COLUMNS)]}
+    if probe.centre_head is not None:
+        hits["centre_count"] = [0, 0]
+    try:
+        for start in range(0, num_samples, batch_size):
+            encoded = [encoder.encode(make_sample("eval", i))
+                       for i in range(start, min(num_samples, start + batch_size))]
+            batch = to_device(collate(encoded, pad_id=0), model.device)
+            merged.clear()
+            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
+                media = run_vision_tower(model, batch)
+            features = torch.cat(merged).float()
+            colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
+            hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
+            hits["cell_color"][1] += len(colours)
+            shapes = torch.cat(batch_shape_targets(encoded)).to(model.device)
+            covered = shapes > 0
+            predicted = probe.shape_head(features).argmax(-1)
+            hits["cell_shape"][0] += int((predicted[covered] == shapes[covered]).sum())
+            hits["cell_shape"][1] += int(covered.sum())
+            chars = to_device(batch_char_targets(encoded), model.device)
+            if chars is not None:
+                known = chars > 0
+                predicted = probe.char_logits(features[:len(chars)]).argmax(-1)
+                hits["chars"][0] += int((predicted[known] == chars[known]).sum())
+                hits["chars"][1] += int(known.sum())
+            classes, _ = to_device(batch_scene_targets(encoded), model.device)
+            scene_logits = probe.scene_head(features).split(probe.SCENE_GROUPS, dim=-1)
+            for column, (name, logits) in enumerate(zip(probe.SCENE_COLUMNS, scene_logits)):
+                known = classes[:, column] != IGNORE_INDEX
+                hits[name][0] += int((logits.argmax(-1)[known] == classes[known, column]).sum())
+                hits[name][1] += int(known.sum())
+            if probe.centre_head is not None:
+                # per image, then per clip: the tower's order
+                wanted = [t for item in encoded for t in item.image_centre_targets] + \
+                         [t for item in encoded for t in item.video_centre_targets]
+                named = probe.centre_head(features).argmax(-1).cpu().split([len(t) for t in wanted])
+                hits["centre_count"][0] += sum(int(got.sum() == want.sum())
+                                               for got, want in zip(named, wanted))
+                hits["centre_count"][1] += len(wanted)
+    finally:
+        hook.remove()
+    return {name: h / max(1, n) for name, (h, n) in hits.items()}

@@ -132,19 +132,24 @@ def _size(rng: random.Random) -> tuple[int, int]:
 
 
 def _place(rng: random.Random, width: int, height: int, sizes: list[float],
-           tries: int = 400) -> list[tuple[float, float]]:
-    """Centres for shapes of `sizes` that do not overlap (rejection sampling)."""
-    centres: list[tuple[float, float, float]] = []
-    for size in sizes:
-        for _ in range(tries):
-            r = size / 2 + 3
-            x, y = rng.uniform(r, width - r), rng.uniform(r, height - r)
-            if all((x - cx) ** 2 + (y - cy) ** 2 > ((r + cr) * 1.08) ** 2 for cx, cy, cr in centres):
-                centres.append((x, y, r))
+           tries: int = 400) -> tuple[list[tuple[float, float]], list[float]]:
+    """Centres for shapes of `sizes` that do not overlap (rejection sampling), and the
+    sizes drawn: when a shape finds no room in `tries` draws, every size shrinks by a
+    tenth and placement starts over (rare; the samples that fit at once are unchanged)."""
+    while True:
+        centres: list[tuple[float, float, float]] = []
+        for size in sizes:
+            for _ in range(tries):
+                r = size / 2 + 3
+                x, y = rng.uniform(r, width - r), rng.uniform(r, height - r)
+                if all((x - cx) ** 2 + (y - cy) ** 2 > ((r + cr) * 1.08) ** 2 for cx, cy, cr in centres):
+                    centres.append((x, y, r))
+                    break
+            else:
                 break
         else:
-            raise RuntimeError("no room for the shapes")  # sizes are chosen so this never happens
-    return [(x, y) for x, y, _ in centres]
+            return [(x, y) for x, y, _ in centres], sizes
+        sizes = [0.9 * size for size in sizes]
 
 
 def _shapes(rng):
@@ -156,7 +161,8 @@ def _shapes(rng):
     image = canvas(width, height, rng)
     draw = ImageDraw.Draw(image)
     objects = []
-    for (x, y), shape, color, size in zip(_place(rng, width, height, sizes), shapes, colors, sizes):
+    centres, sizes = _place(rng, width, height, sizes)
+    for (x, y), shape, color, size in zip(centres, shapes, colors, sizes):
         draw_shape(draw, shape, x, y, size, jitter_color(color, rng))
         objects.append((x, y, size, shape))
     k = rng.randrange(n)
@@ -180,7 +186,8 @@ def _count(rng):
     image = canvas(width, height, rng)
     draw = ImageDraw.Draw(image)
     objects = []
-    for (x, y), size in zip(_place(rng, width, height, sizes), sizes):
+    centres, sizes = _place(rng, width, height, sizes)
+    for (x, y), size in zip(centres, sizes):
         shape = rng.choice(SHAPES)
         draw_shape(draw, shape, x, y, size, jitter_color(rng.choice(COLOR_NAMES), rng))
         objects.append((x, y, size, shape))

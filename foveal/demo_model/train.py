@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from foveal.demo_model.encode import (
-    IGNORE_INDEX, Augment, SampleEncoder, batch_char_targets, batch_scene_targets, batch_shape_targets,
-    collate,
+    IGNORE_INDEX, Augment, SampleEncoder, batch_centre_targets, batch_char_targets, batch_scene_targets,
+    batch_shape_targets, collate, to_device,
 )
-from foveal.demo_model.probe import VisualTokenProbe
+from foveal.demo_model.probe import VisualTokenProbe, probe_accuracy, run_vision_tower
 from foveal.demo_model.tasks import TASKS, TRAIN_WEIGHTS, make_page, make_sample
 from foveal.errors import ConfigError
 from foveal.logger import init_logger
@@ -73,6 +73,11 @@ class TrainConfig:
     # the empty cells outnumber the covered ones and the tower learnt it to 0.32 per cell
     # (docs/benchmarks.md, "Demo model").
     shape_weight: float = 0.0
+    # Stage 1: weight of the centre head's loss (probe.centre_loss): each token learns how
+    # many shapes have their centre in its cell, so that an image's object count is a sum
+    # over its tokens the decoder can take. 0 (the shipped model): the count is one scene
+    # target on every token, which the tower learnt for 1-3 objects only.
+    centre_weight: float = 0.0
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
     min_lr_ratio: float = 0.05
@@ -99,8 +104,9 @@ class TrainConfig:
                              f"the tasks are {', '.join(TASKS)}")
         if any(not weight >= 0 for weight in given.values()):  # rejects NaN too
             raise ConfigError(f"task weights must be >= 0, got {given}")
-        if not self.shape_weight >= 0:
-            raise ConfigError(f"shape_weight must be >= 0, got {self.shape_weight}")
+        for name in ("shape_weight", "centre_weight"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not any(self.mix()):
             raise ConfigError("task_weights leave every task out")
 
@@ -217,7 +223,7 @@ def teacher_forced_accuracy(model, encoder: SampleEncoder, num_samples: int, bf1
     samples = [make_sample("eval", i) for i in range(num_samples)]
     for start in range(0, len(samples), batch_size):
         encoded = [encoder.encode(s) for s in samples[start:start + batch_size]]
-        batch = _to_device(collate(encoded, pad_id=0), model.device)
+        batch = to_device(collate(encoded, pad_id=0), model.device)
         labels = batch.pop("labels")
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(**batch).logits
@@ -251,7 +257,8 @@ def make_batch(encoder: SampleEncoder, cfg: TrainConfig, step: int) -> dict:
     if stage <= 1:
         out.update(chars=batch_char_targets(encoded))
     if stage == 1:
-        out.update(shapes=batch_shape_targets(encoded), scenes=batch_scene_targets(encoded))
+        out.update(shapes=batch_shape_targets(encoded), scenes=batch_scene_targets(encoded),
+                   centres=batch_centre_targets(encoded))
     return out
 
 
@@ -301,16 +308,6 @@ class BatchSource:
             self.pool.terminate()
 
 
-def _to_device(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
 def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     from tqdm import tqdm
 
@@ -324,7 +321,7 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     model = build_hf_model(hf_config, cfg.seed).to(device)
     model.train()
     probe = VisualTokenProbe(hf_config["text_config"]["hidden_size"], encoder.images.image_mean,
-                             encoder.images.image_std).to(device)
+                             encoder.images.image_std, centres=cfg.centre_weight > 0).to(device)
     merged: list[torch.Tensor] = []
     model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -358,20 +355,21 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
             stage = cfg.stage_of(step)
             _set_stage(model, probe, stage)
         started = time.perf_counter()
-        data = _to_device(source.next(), device)
+        data = to_device(source.next(), device)
         batch, labels = data["inputs"], data["labels"]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         merged.clear()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if stage == 0:
-                _run_vision_tower(model, batch)
+                run_vision_tower(model, batch)
                 loss = probe.char_loss(torch.cat(merged).float(), data["chars"])
             elif vision_stage:
-                media = _run_vision_tower(model, batch)
+                media = run_vision_tower(model, batch)
                 loss = probe.loss(merged, [batch[k] for k, _ in media], data["shapes"],
                                   [batch[g] for _, g in media], data["scenes"],
-                                  data["chars"], cfg.char_weight, cfg.shape_weight)
+                                  data["chars"], cfg.char_weight, cfg.shape_weight,
+                                  data["centres"], cfg.centre_weight)
             else:
                 loss = answer_loss(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
@@ -413,62 +411,6 @@ def _set_stage(model, probe, stage: int) -> None:
         param.requires_grad_(stage == 3 or visual == (stage <= 1))
     for param in probe.parameters():
         param.requires_grad_(stage <= 1)
-
-
-def _run_vision_tower(model, batch: dict) -> list[tuple[str, str]]:
-    """The tower alone on the batch's images, then its videos (the probe's hook
-    collects the merged tokens); returns the (pixels, grid) keys it ran."""
-    media = [(k, g) for k, g in (("pixel_values", "image_grid_thw"),
-                                 ("pixel_values_videos", "video_grid_thw")) if k in batch]
-    for pixels, grid in media:
-        model.model.visual(batch[pixels], grid_thw=batch[grid])
-    return media
-
-
-@torch.no_grad()
-def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_samples: int,
-                   bf16: bool, batch_size: int = 16) -> dict[str, float]:
-    """Stage 1's held-out score: per visual token, how often the scene heads name
-    the object count, the shapes' colours, the text's characters and the motion
-    direction (where the scene says), the per-cell colour head, the shape head on
-    the cells a shape covers ("cell_shape") and the character head on the cells
-    that hold a character ("chars")."""
-    merged: list[torch.Tensor] = []
-    hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
-    hits = {name: [0, 0] for name in ["cell_color", "cell_shape", "chars",
-                                      *dict.fromkeys(probe.SCENE_COLUMNS)]}
-    try:
-        for start in range(0, num_samples, batch_size):
-            encoded = [encoder.encode(make_sample("eval", i))
-                       for i in range(start, min(num_samples, start + batch_size))]
-            batch = _to_device(collate(encoded, pad_id=0), model.device)
-            merged.clear()
-            with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
-                media = _run_vision_tower(model, batch)
-            features = torch.cat(merged).float()
-            colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
-            hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
-            hits["cell_color"][1] += len(colours)
-            shapes = torch.cat(batch_shape_targets(encoded)).to(model.device)
-            covered = shapes > 0
-            predicted = probe.shape_head(features).argmax(-1)
-            hits["cell_shape"][0] += int((predicted[covered] == shapes[covered]).sum())
-            hits["cell_shape"][1] += int(covered.sum())
-            chars = _to_device(batch_char_targets(encoded), model.device)
-            if chars is not None:
-                known = chars > 0
-                predicted = probe.char_logits(features[:len(chars)]).argmax(-1)
-                hits["chars"][0] += int((predicted[known] == chars[known]).sum())
-                hits["chars"][1] += int(known.sum())
-            classes, _ = _to_device(batch_scene_targets(encoded), model.device)
-            scene_logits = probe.scene_head(features).split(probe.SCENE_GROUPS, dim=-1)
-            for column, (name, logits) in enumerate(zip(probe.SCENE_COLUMNS, scene_logits)):
-                known = classes[:, column] != IGNORE_INDEX
-                hits[name][0] += int((logits.argmax(-1)[known] == classes[known, column]).sum())
-                hits[name][1] += int(known.sum())
-    finally:
-        hook.remove()
-    return {name: h / max(1, n) for name, (h, n) in hits.items()}
 
 
 def _save_state(path: Path, model, probe, optimizer, step: int, elapsed: float,
