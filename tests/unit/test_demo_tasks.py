@@ -104,3 +104,16 @@ def test_write_split_stores_lossless_files_and_records(tmp_path):
             assert all(np.array_equal(a, b) for a, b in zip(frames, sample.video))
     with pytest.raises(ConfigError):
         write_split(tmp_path, "eval", 0)
+
+
+def test_crowded_shapes_shrink_instead_of_failing():
+    """Eval sample 16218 draws three shapes too large to place at their first sizes:
+    placement shrinks them and starts over instead of raising."""
+    sample = make_sample("eval", 16218)
+    (objects,) = sample.objects
+    assert sample.task == "shapes" and len(objects) == 3
+    width, height = sample.images[0].size
+    for i, (x, y, size, _) in enumerate(objects):
+        assert size / 2 <= x <= width - size / 2 and size / 2 <= y <= height - size / 2
+        for x2, y2, size2, _ in objects[i + 1:]:
+            assert (x - x2) ** 2 + (y - y2) ** 2 > ((size + size2) / 2) ** 2

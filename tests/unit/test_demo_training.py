@@ -8,8 +8,8 @@ import torch
 
 from foveal.errors import ConfigError
 from foveal.demo_model.encode import (
-    IGNORE_INDEX, TEXT_CHARS, SampleEncoder, batch_scene_targets, batch_shape_targets, collate,
-    scene_targets, shape_targets,
+    IGNORE_INDEX, TEXT_CHARS, SampleEncoder, batch_centre_targets, batch_scene_targets,
+    batch_shape_targets, centre_targets, collate, scene_targets, shape_targets,
 )
 from foveal.demo_model.render import COLOR_NAMES, SHAPES
 from foveal.demo_model.probe import VisualTokenProbe
@@ -208,6 +208,52 @@ def test_shape_weight_adds_the_shape_loss_on_covered_cells_alone(scaffold):
     assert (weighted - plain).item() == pytest.approx(3 * expected.item(), rel=1e-5)
     with pytest.raises(ConfigError, match="shape_weight"):
         TrainConfig(shape_weight=-1.0)
+
+
+def test_centre_targets_sum_to_the_shapes_drawn_and_sit_in_the_centre_cells(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    for index in range(1, 120, 6):  # the count task of the eval split: 1-9 shapes
+        sample = make_sample("eval", index)
+        item = encoder.encode(sample)
+        (centres,) = item.image_centre_targets
+        assert sample.task == "count" and int(centres.sum()) == int(sample.answer)
+        assert len(centres) == len(item.image_shape_targets[0])
+        # every marked cell is covered by a shape (the one whose centre it holds)
+        assert bool((item.image_shape_targets[0][centres > 0] > 0).all())
+    # a 3 x 2 grid of cells (84 x 56 processed pixels from a 168 x 112 image)
+    cells = centre_targets([[(10, 10, 8, "circle"), (20, 15, 8, "star"), (150, 100, 20, "square")]],
+                           168, 112, (1, 4, 6))
+    assert cells.tolist() == [2, 0, 0, 0, 0, 1]
+    clip = make_sample("eval", 5)  # motion: one shape per frame
+    videos = encoder.encode(clip).video_centre_targets
+    assert [int(v.sum()) for v in videos] == [encoder.encode(clip).video_grid_thw[0][0]]
+
+
+def test_centre_weight_adds_the_balanced_centre_loss(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    items = [encoder.encode(make_sample("eval", i)) for i in (0, 1)]
+    batch = collate(items, pad_id=0)
+    centres = batch_centre_targets(items)
+    marked = torch.cat(centres) > 0
+    hidden = hf_config["text_config"]["hidden_size"]
+    probe = VisualTokenProbe(hidden, encoder.images.image_mean, encoder.images.image_std, centres=True)
+    features = [torch.randn(len(marked), hidden)]
+    args = ([batch["pixel_values"]], batch_shape_targets(items), [batch["image_grid_thw"]],
+            batch_scene_targets(items))
+    plain = probe.loss(features, *args)
+    weighted = probe.loss(features, *args, centres=centres, centre_weight=2.0)
+    per_token = torch.nn.functional.cross_entropy(probe.centre_head(features[0]), torch.cat(centres),
+                                                  reduction="none")
+    expected = (per_token[marked].mean() + per_token[~marked].mean()) / 2
+    assert (weighted - plain).item() == pytest.approx(2 * expected.item(), rel=1e-5)
+    # without the flag the probe has no centre head, so older training states still load
+    older = VisualTokenProbe(hidden, encoder.images.image_mean, encoder.images.image_std)
+    assert older.centre_head is None and not any("centre" in k for k in older.state_dict())
+    assert probe.loss(features, *args, centres=centres, centre_weight=0.0) == plain
+    with pytest.raises(ConfigError, match="centre_weight"):
+        TrainConfig(centre_weight=-0.5)
 
 
 def test_answer_loss_weighs_each_sample_equally():
