@@ -69,14 +69,14 @@ class TrainConfig:
     pages_per_batch: int = 0
     char_weight: float = 0.0
     # Stage 1: weight of an extra shape loss on the cells a shape covers alone (probe.loss);
-    # 0 (the shipped model) leaves shape identity to the head's loss over every cell, where
-    # the empty cells outnumber the covered ones and the tower learnt it to 0.32 per cell
-    # (docs/benchmarks.md, "Demo model").
+    # 0 leaves shape identity to the head's loss over every cell, where the empty cells
+    # outnumber the covered ones and the tower learnt it to 0.32 per cell; the shipped model
+    # was trained with 4 (docs/benchmarks.md, "Demo model").
     shape_weight: float = 0.0
     # Stage 1: weight of the centre head's loss (probe.centre_loss): each token learns how
     # many shapes have their centre in its cell, so that an image's object count is a sum
-    # over its tokens the decoder can take. 0 (the shipped model): the count is one scene
-    # target on every token, which the tower learnt for 1-3 objects only.
+    # over its tokens the decoder can take. 0: the count is one scene target on every
+    # token, which the tower learnt for 1-3 objects only; the shipped model was trained with 3.
     centre_weight: float = 0.0
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)

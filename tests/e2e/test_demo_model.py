@@ -45,8 +45,8 @@ def test_foveal_demo_prints_the_right_answer(capsys):
 
 def test_held_out_accuracy_per_task(llm):
     """Exact match on the first 120 eval samples (20 per task), against floors a
-    little under the shipped model's scores on these samples (0.66 overall:
-    position and motion 20/20, count 14, compare 13, shapes 12, read 0),
+    little under the shipped model's scores on these samples (0.70 overall:
+    position and motion 20/20, count 17, compare 16, shapes 11, read 0),
     leaving room for a CPU whose float rounding flips a close call. Chance is
     0.11-0.25 per task, 0.5 for compare."""
     samples = [make_sample("eval", i) for i in range(120)]
@@ -54,8 +54,8 @@ def test_held_out_accuracy_per_task(llm):
     hits = {task: 0 for task in TASKS}
     for sample, output in zip(samples, outputs):
         hits[sample.task] += output.outputs[0].text.strip() == sample.answer
-    assert sum(hits.values()) / len(samples) >= 0.6, hits
-    floors = {"shapes": 10, "count": 12, "position": 18, "compare": 11, "motion": 18}
+    assert sum(hits.values()) / len(samples) >= 0.63, hits
+    floors = {"shapes": 9, "count": 15, "position": 18, "compare": 13, "motion": 18}
     assert all(hits[task] >= floor for task, floor in floors.items()), hits
 
 
