@@ -281,10 +281,9 @@ def batch_shape_targets(batch: list[Encoded]) -> list[torch.Tensor]:
 
 
 def batch_centre_targets(batch: list[Encoded]) -> list[torch.Tensor]:
-    """Centre targets in batch_shape_targets' order."""
-    images = [t for item in batch for t in item.image_centre_targets]
-    videos = [t for item in batch for t in item.video_centre_targets]
-    return [torch.cat(group) for group in (images, videos) if group]
+    """Centre targets per image (sample order), then per clip: the tower's order."""
+    return [t for item in batch for t in item.image_centre_targets] + \
+        [t for item in batch for t in item.video_centre_targets]
 
 
 def batch_char_targets(batch: list[Encoded]) -> torch.Tensor | None:

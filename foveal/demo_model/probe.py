@@ -7,7 +7,8 @@ import torch
 
 from foveal.demo_model.encode import (
     CHAR_SLOTS, IGNORE_INDEX, MAX_CENTRES, MAX_COUNT, TEXT_CHARS, TEXT_SLOTS, SampleEncoder,
-    batch_char_targets, batch_scene_targets, batch_shape_targets, collate, to_device,
+    batch_centre_targets, batch_char_targets, batch_scene_targets, batch_shape_targets, collate,
+    to_device,
 )
 from foveal.demo_model.render import COLORS, SHAPES
 from foveal.demo_model.tasks import DIRECTIONS, make_sample
@@ -211,9 +212,7 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
                 hits[name][0] += int((logits.argmax(-1)[known] == classes[known, column]).sum())
                 hits[name][1] += int(known.sum())
             if probe.centre_head is not None:
-                # per image, then per clip: the tower's order
-                wanted = [t for item in encoded for t in item.image_centre_targets] + \
-                         [t for item in encoded for t in item.video_centre_targets]
+                wanted = batch_centre_targets(encoded)
                 named = probe.centre_head(features).argmax(-1).cpu().split([len(t) for t in wanted])
                 hits["centre_count"][0] += sum(int(got.sum() == want.sum())
                                                for got, want in zip(named, wanted))

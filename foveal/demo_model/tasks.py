@@ -133,23 +133,29 @@ def _size(rng: random.Random) -> tuple[int, int]:
 
 def _place(rng: random.Random, width: int, height: int, sizes: list[float],
            tries: int = 400) -> tuple[list[tuple[float, float]], list[float]]:
-    """Centres for shapes of `sizes` that do not overlap (rejection sampling), and the
-    sizes drawn: when a shape finds no room in `tries` draws, every size shrinks by a
-    tenth and placement starts over (rare; the samples that fit at once are unchanged)."""
-    while True:
-        centres: list[tuple[float, float, float]] = []
-        for size in sizes:
-            for _ in range(tries):
-                r = size / 2 + 3
-                x, y = rng.uniform(r, width - r), rng.uniform(r, height - r)
-                if all((x - cx) ** 2 + (y - cy) ** 2 > ((r + cr) * 1.08) ** 2 for cx, cy, cr in centres):
-                    centres.append((x, y, r))
-                    break
-            else:
+    """Centres for shapes of `sizes` that do not overlap, and the sizes drawn: when a
+    shape finds no room, every size shrinks by a tenth and placement starts over
+    (rare; the samples that fit at once are unchanged)."""
+    while (centres := _try_place(rng, width, height, sizes, tries)) is None:
+        sizes = [0.9 * size for size in sizes]
+    return centres, sizes
+
+
+def _try_place(rng: random.Random, width: int, height: int, sizes: list[float],
+               tries: int) -> list[tuple[float, float]] | None:
+    """Rejection sampling: each shape in turn gets up to `tries` draws for a centre
+    clear of the shapes before it; None when one of them finds none."""
+    centres: list[tuple[float, float, float]] = []
+    for size in sizes:
+        r = size / 2 + 3
+        for _ in range(tries):
+            x, y = rng.uniform(r, width - r), rng.uniform(r, height - r)
+            if all((x - cx) ** 2 + (y - cy) ** 2 > ((r + cr) * 1.08) ** 2 for cx, cy, cr in centres):
+                centres.append((x, y, r))
                 break
         else:
-            return [(x, y) for x, y, _ in centres], sizes
-        sizes = [0.9 * size for size in sizes]
+            return None
+    return [(x, y) for x, y, _ in centres]
 
 
 def _shapes(rng):

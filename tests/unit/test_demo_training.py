@@ -225,9 +225,8 @@ def test_centre_targets_sum_to_the_shapes_drawn_and_sit_in_the_centre_cells(scaf
     cells = centre_targets([[(10, 10, 8, "circle"), (20, 15, 8, "star"), (150, 100, 20, "square")]],
                            168, 112, (1, 4, 6))
     assert cells.tolist() == [2, 0, 0, 0, 0, 1]
-    clip = make_sample("eval", 5)  # motion: one shape per frame
-    videos = encoder.encode(clip).video_centre_targets
-    assert [int(v.sum()) for v in videos] == [encoder.encode(clip).video_grid_thw[0][0]]
+    clip = encoder.encode(make_sample("eval", 5))  # motion: one shape per frame
+    assert [int(v.sum()) for v in clip.video_centre_targets] == [clip.video_grid_thw[0][0]]
 
 
 def test_centre_weight_adds_the_balanced_centre_loss(scaffold):
