@@ -24,7 +24,7 @@ def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
     names = ("read_steps", "vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch",
-             "char_weight", "shape_weight", "centre_weight", "vision_lr", "lr", "joint_lr", "seed",
+             "char_weight", "shape_weight", "centre_weight", "colour_weight", "vision_lr", "lr", "joint_lr", "seed",
              "eval_every", "device", "data_workers", "task_weights")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
@@ -72,6 +72,9 @@ def register(subparsers) -> None:
                        help="stage 1: weight of a per-token loss naming how many shapes have their "
                             "centre in the token's cell, so that counting is a sum over tokens "
                             "(default 0: off)")
+    train.add_argument("--colour-weight", type=float,
+                       help="stage 1: weight of an extra colour loss on the cells that show a "
+                            "colour, which the background cells otherwise outweigh (default 0: off)")
     train.add_argument("--vision-lr", type=float, help="stage 1 peak learning rate (default 1e-3)")
     train.add_argument("--lr", type=float, help="stage 2 peak learning rate (default 3e-4)")
     train.add_argument("--seed", type=int, help="weight init seed (default 0)")

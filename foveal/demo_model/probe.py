@@ -132,16 +132,20 @@ class VisualTokenProbe(torch.nn.Module):
              shapes: list[torch.Tensor], grids: list[torch.Tensor],
              scenes: tuple[torch.Tensor, torch.Tensor], chars: torch.Tensor | None = None,
              char_weight: float = 0.0, shape_weight: float = 0.0,
-             centres: list[torch.Tensor] | None = None, centre_weight: float = 0.0) -> torch.Tensor:
+             centres: list[torch.Tensor] | None = None, centre_weight: float = 0.0,
+             colour_weight: float = 0.0) -> torch.Tensor:
         """The stage-1 loss. `shape_weight` adds the shape head's cross-entropy over
         the cells a shape covers alone, so that naming the shape weighs as much
         wherever there is one, however many empty cells the batch holds;
-        `centre_weight` adds the centre head's loss (centre_loss)."""
+        `colour_weight` does the same for the colour head over the cells that show a
+        colour or ink (in the plain term the background cells, ~90% of a batch,
+        outweigh them); `centre_weight` adds the centre head's loss (centre_loss)."""
         features = torch.cat(features).float()
         colours = torch.cat([self.targets(p) for p in pixels])
         where = torch.cat([self.positions(g) for g in grids])
         shape_logits, shapes = self.shape_head(features), torch.cat(shapes)
-        loss = (torch.nn.functional.cross_entropy(self.head(features), colours)
+        colour_logits = self.head(features)
+        loss = (torch.nn.functional.cross_entropy(colour_logits, colours)
                 + torch.nn.functional.cross_entropy(shape_logits, shapes)
                 + 10 * torch.nn.functional.mse_loss(self.position_head(features), where)
                 + self.SCENE_WEIGHT * self.scene_loss(features, *scenes))
@@ -149,6 +153,10 @@ class VisualTokenProbe(torch.nn.Module):
         if shape_weight and covered.any():
             loss = loss + shape_weight * torch.nn.functional.cross_entropy(shape_logits[covered],
                                                                            shapes[covered])
+        coloured = colours > 0
+        if colour_weight and coloured.any():
+            loss = loss + colour_weight * torch.nn.functional.cross_entropy(colour_logits[coloured],
+                                                                            colours[coloured])
         if self.centre_head is not None and centres is not None and centre_weight:
             loss = loss + centre_weight * self.centre_loss(features, torch.cat(centres))
         if chars is None or not char_weight:
@@ -171,14 +179,16 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
                    bf16: bool, batch_size: int = 16) -> dict[str, float]:
     """Stage 1's held-out score: per visual token, how often the scene heads name
     the object count, the shapes' colours, the text's characters and the motion
-    direction (where the scene says), the per-cell colour head, the shape head on
+    direction (where the scene says), the per-cell colour head on every cell
+    ("cell_color", mostly background) and on the cells that show a colour or ink
+    ("shown_color"), the shape head on
     the cells a shape covers ("cell_shape") and the character head on the cells
     that hold a character ("chars"); with a centre head, how often the counts it
     names over an image's (or clip's) tokens add up to the shapes drawn
     ("centre_count", per image)."""
     merged: list[torch.Tensor] = []
     hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
-    hits = {name: [0, 0] for name in ["cell_color", "cell_shape", "chars",
+    hits = {name: [0, 0] for name in ["cell_color", "shown_color", "cell_shape", "chars",
                                       *dict.fromkeys(probe.SCENE_COLUMNS)]}
     if probe.centre_head is not None:
         hits["centre_count"] = [0, 0]
@@ -192,8 +202,11 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
                 media = run_vision_tower(model, batch)
             features = torch.cat(merged).float()
             colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
-            hits["cell_color"][0] += int((probe.head(features).argmax(-1) == colours).sum())
+            right = probe.head(features).argmax(-1) == colours
+            hits["cell_color"][0] += int(right.sum())
             hits["cell_color"][1] += len(colours)
+            hits["shown_color"][0] += int(right[colours > 0].sum())
+            hits["shown_color"][1] += int((colours > 0).sum())
             shapes = torch.cat(batch_shape_targets(encoded)).to(model.device)
             covered = shapes > 0
             predicted = probe.shape_head(features).argmax(-1)

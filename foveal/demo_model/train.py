@@ -78,6 +78,11 @@ class TrainConfig:
     # over its tokens the decoder can take. 0: the count is one scene target on every
     # token, which the tower learnt for 1-3 objects only; the shipped model was trained with 3.
     centre_weight: float = 0.0
+    # Stage 1: weight of an extra colour loss on the cells that show a colour or ink. Without
+    # it the background cells dominate the colour head's loss, and beside the centre loss the
+    # tower named a shape cell's colour right 31% of the time (0.86 without the centre loss),
+    # so the decoder could not say which colour a shape has (docs/benchmarks.md, "Demo model").
+    colour_weight: float = 0.0
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
     min_lr_ratio: float = 0.05
@@ -104,7 +109,7 @@ class TrainConfig:
                              f"the tasks are {', '.join(TASKS)}")
         if any(not weight >= 0 for weight in given.values()):  # rejects NaN too
             raise ConfigError(f"task weights must be >= 0, got {given}")
-        for name in ("shape_weight", "centre_weight"):
+        for name in ("shape_weight", "centre_weight", "colour_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not any(self.mix()):
@@ -369,7 +374,7 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
                 loss = probe.loss(merged, [batch[k] for k, _ in media], data["shapes"],
                                   [batch[g] for _, g in media], data["scenes"],
                                   data["chars"], cfg.char_weight, cfg.shape_weight,
-                                  data["centres"], cfg.centre_weight)
+                                  data["centres"], cfg.centre_weight, cfg.colour_weight)
             else:
                 loss = answer_loss(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
