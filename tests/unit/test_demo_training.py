@@ -255,6 +255,26 @@ def test_centre_weight_adds_the_balanced_centre_loss(scaffold):
         TrainConfig(centre_weight=-0.5)
 
 
+def test_colour_weight_adds_a_colour_loss_on_the_cells_that_show_a_colour(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    items = [encoder.encode(make_sample("eval", i)) for i in (0, 3)]  # shapes, read: colour and ink
+    batch = collate(items, pad_id=0)
+    hidden = hf_config["text_config"]["hidden_size"]
+    probe = VisualTokenProbe(hidden, encoder.images.image_mean, encoder.images.image_std)
+    colours = probe.targets(batch["pixel_values"])
+    shown = colours > 0
+    assert 0 < int(shown.sum()) < len(colours) and bool((colours == probe.NUM_CLASSES - 1).any())
+    features = [torch.randn(len(colours), hidden)]
+    args = ([batch["pixel_values"]], batch_shape_targets(items), [batch["image_grid_thw"]],
+            batch_scene_targets(items))
+    plain, weighted = probe.loss(features, *args), probe.loss(features, *args, colour_weight=3.0)
+    expected = torch.nn.functional.cross_entropy(probe.head(features[0])[shown], colours[shown])
+    assert (weighted - plain).item() == pytest.approx(3 * expected.item(), rel=1e-5)
+    with pytest.raises(ConfigError, match="colour_weight"):
+        TrainConfig(colour_weight=-1.0)
+
+
 def test_answer_loss_weighs_each_sample_equally():
     logits = torch.zeros(2, 4, 8)
     labels = torch.full((2, 4), IGNORE_INDEX)
