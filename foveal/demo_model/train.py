@@ -81,7 +81,8 @@ class TrainConfig:
     # Stage 1: weight of an extra colour loss on the cells that show a colour or ink. Without
     # it the background cells dominate the colour head's loss, and beside the centre loss the
     # tower named a shape cell's colour right 31% of the time (0.86 without the centre loss),
-    # so the decoder could not say which colour a shape has (docs/benchmarks.md, "Demo model").
+    # so the decoder could not say which colour a shape has; the shipped model was trained
+    # with 3 (docs/benchmarks.md, "Colour on the shape cells").
     colour_weight: float = 0.0
     vision_lr: float = 1e-3
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
