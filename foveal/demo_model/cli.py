@@ -24,8 +24,8 @@ def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
     names = ("read_steps", "vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch",
-             "char_weight", "shape_weight", "centre_weight", "colour_weight", "vision_lr", "lr", "joint_lr", "seed",
-             "eval_every", "device", "data_workers", "task_weights")
+             "char_weight", "shape_weight", "centre_weight", "colour_weight", "vision_lr", "lr",
+             "joint_lr", "seed", "eval_every", "device", "data_workers", "task_weights")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)

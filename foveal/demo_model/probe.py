@@ -149,14 +149,11 @@ class VisualTokenProbe(torch.nn.Module):
                 + torch.nn.functional.cross_entropy(shape_logits, shapes)
                 + 10 * torch.nn.functional.mse_loss(self.position_head(features), where)
                 + self.SCENE_WEIGHT * self.scene_loss(features, *scenes))
-        covered = shapes > 0
-        if shape_weight and covered.any():
-            loss = loss + shape_weight * torch.nn.functional.cross_entropy(shape_logits[covered],
-                                                                           shapes[covered])
-        coloured = colours > 0
-        if colour_weight and coloured.any():
-            loss = loss + colour_weight * torch.nn.functional.cross_entropy(colour_logits[coloured],
-                                                                            colours[coloured])
+        for weight, logits, classes in ((shape_weight, shape_logits, shapes),
+                                        (colour_weight, colour_logits, colours)):
+            shown = classes > 0  # the cells a shape covers, the cells that show a colour
+            if weight and shown.any():
+                loss = loss + weight * torch.nn.functional.cross_entropy(logits[shown], classes[shown])
         if self.centre_head is not None and centres is not None and centre_weight:
             loss = loss + centre_weight * self.centre_loss(features, torch.cat(centres))
         if chars is None or not char_weight:
@@ -181,11 +178,10 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
     the object count, the shapes' colours, the text's characters and the motion
     direction (where the scene says), the per-cell colour head on every cell
     ("cell_color", mostly background) and on the cells that show a colour or ink
-    ("shown_color"), the shape head on
-    the cells a shape covers ("cell_shape") and the character head on the cells
-    that hold a character ("chars"); with a centre head, how often the counts it
-    names over an image's (or clip's) tokens add up to the shapes drawn
-    ("centre_count", per image)."""
+    ("shown_color"), the shape head on the cells a shape covers ("cell_shape") and
+    the character head on the cells that hold a character ("chars"); with a centre
+    head, how often the counts it names over an image's (or clip's) tokens add up
+    to the shapes drawn ("centre_count", per image)."""
     merged: list[torch.Tensor] = []
     hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
     hits = {name: [0, 0] for name in ["cell_color", "shown_color", "cell_shape", "chars",
@@ -202,11 +198,11 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
                 media = run_vision_tower(model, batch)
             features = torch.cat(merged).float()
             colours = torch.cat([probe.targets(batch[k]) for k, _ in media])
-            right = probe.head(features).argmax(-1) == colours
+            right, shown = probe.head(features).argmax(-1) == colours, colours > 0
             hits["cell_color"][0] += int(right.sum())
             hits["cell_color"][1] += len(colours)
-            hits["shown_color"][0] += int(right[colours > 0].sum())
-            hits["shown_color"][1] += int((colours > 0).sum())
+            hits["shown_color"][0] += int(right[shown].sum())
+            hits["shown_color"][1] += int(shown.sum())
             shapes = torch.cat(batch_shape_targets(encoded)).to(model.device)
             covered = shapes > 0
             predicted = probe.shape_head(features).argmax(-1)

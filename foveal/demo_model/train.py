@@ -80,7 +80,7 @@ class TrainConfig:
     centre_weight: float = 0.0
     # Stage 1: weight of an extra colour loss on the cells that show a colour or ink. Without
     # it the background cells dominate the colour head's loss, and beside the centre loss the
-    # tower named a shape cell's colour right 31% of the time (0.86 without the centre loss),
+    # tower named a shape cell's colour right 32% of the time (0.84 without the centre loss),
     # so the decoder could not say which colour a shape has; the shipped model was trained
     # with 3 (docs/benchmarks.md, "Colour on the shape cells").
     colour_weight: float = 0.0
