@@ -24,8 +24,9 @@ def _train(args: argparse.Namespace) -> int:
     from foveal.demo_model.train import TrainConfig, train
 
     names = ("read_steps", "vision_steps", "steps", "joint_steps", "batch_size", "pages_per_batch",
-             "char_weight", "shape_weight", "centre_weight", "colour_weight", "vision_lr", "lr",
-             "joint_lr", "seed", "eval_every", "device", "data_workers", "task_weights")
+             "char_weight", "run_weight", "shape_weight", "centre_weight", "colour_weight", "read_lr",
+             "vision_lr", "lr", "joint_lr", "seed", "eval_every", "device", "data_workers",
+             "task_weights")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     cfg = TrainConfig(**given, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     folder = train(args.out, cfg)
@@ -49,8 +50,8 @@ def register(subparsers) -> None:
                     "OUT/train_state.pt. Writes OUT/model, an HF checkpoint folder.")
     train.add_argument("out", help="working folder (state, logs, the final OUT/model)")
     train.add_argument("--read-steps", type=int,
-                       help="stage 0: steps training the vision tower on pages of text, characters "
-                            "only (default 0: none)")
+                       help="stage 0: steps training the vision tower on pages of text, the "
+                            "character (and run) heads only (default 0: none)")
     train.add_argument("--vision-steps", type=int,
                        help="stage 1: steps training the vision tower on dense per-token targets "
                             "(default 1800)")
@@ -65,6 +66,9 @@ def register(subparsers) -> None:
                        help="stage 1: pages of text read per step besides the samples (default 0)")
     train.add_argument("--char-weight", type=float,
                        help="stage 1: weight of the per-token character loss (default 0: off)")
+    train.add_argument("--run-weight", type=float,
+                       help="stages 0-1: weight of a per-token loss naming the whole word or number "
+                            "a token holds text of (default 0: off)")
     train.add_argument("--shape-weight", type=float,
                        help="stage 1: weight of an extra shape loss on the cells a shape covers "
                             "(default 0: off)")
@@ -75,6 +79,8 @@ def register(subparsers) -> None:
     train.add_argument("--colour-weight", type=float,
                        help="stage 1: weight of an extra colour loss on the cells that show a "
                             "colour, which the background cells otherwise outweigh (default 0: off)")
+    train.add_argument("--read-lr", type=float,
+                       help="stage 0 peak learning rate (default: the stage 1 one)")
     train.add_argument("--vision-lr", type=float, help="stage 1 peak learning rate (default 1e-3)")
     train.add_argument("--lr", type=float, help="stage 2 peak learning rate (default 3e-4)")
     train.add_argument("--seed", type=int, help="weight init seed (default 0)")

@@ -23,6 +23,8 @@ TEXT_SLOTS = 4
 # character targets per visual token: up to this many characters whose centres fall in its
 # 28 px cell, left to right (a glyph at the tasks' sizes is at least 7 px wide)
 CHAR_SLOTS = 4
+# run targets per visual token: the whole word or number its cell holds glyphs of (run_targets)
+RUN_SLOTS = 5
 MAX_COUNT = 9
 MAX_CENTRES = 2  # centre_targets' classes are 0 .. MAX_CENTRES
 
@@ -53,6 +55,8 @@ class Encoded:
     video_scene_targets: list[tuple[torch.Tensor, torch.Tensor]]
     # per image: (tokens, CHAR_SLOTS) the characters in each token's cell, in order (char_targets)
     image_char_targets: list[torch.Tensor] = field(default_factory=list)
+    # per image: (tokens, RUN_SLOTS) the whole text run each token's cell holds (run_targets)
+    image_run_targets: list[torch.Tensor] = field(default_factory=list)
     # per image / video: how many shape centres fall in each token's cell (centre_targets)
     image_centre_targets: list[torch.Tensor] = field(default_factory=list)
     video_centre_targets: list[torch.Tensor] = field(default_factory=list)
@@ -109,9 +113,10 @@ class SampleEncoder:
                        sample.task, targets, video_targets,
                        [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, targets)],
                        [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, video_targets)],
-                       [char_targets(sample.texts[i] if i < len(sample.texts) else [], image.width,
-                                     image.height, item.grid_thw)
-                        for i, (image, item) in enumerate(zip(sample.images, images))],
+                       *[[make(sample.texts[i] if i < len(sample.texts) else [], image.width,
+                               image.height, item.grid_thw)
+                          for i, (image, item) in enumerate(zip(sample.images, images))]
+                         for make in (char_targets, run_targets)],
                        centres, video_centres)
 
     @staticmethod
@@ -183,6 +188,24 @@ def centre_targets(frames: list[list[tuple]], width: int, height: int,
     return out.clamp_(max=MAX_CENTRES).flatten()
 
 
+def _glyph_cells(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
+                 patch: int, merge: int) -> tuple[int, int, int, float, dict]:
+    """(temporal patches, rows, columns, the smaller scale, {(row, col): [(x, char, run
+    index)]}): the glyphs whose centres fall in each token's cell, in processed pixels."""
+    t, rows, cols, cell, sx, sy = _cell_grid(grid_thw, width, height, patch, merge)
+    cells: dict[tuple[int, int], list[tuple[float, str, int]]] = {}
+    for run, (text, x, y, size) in enumerate(runs):
+        face = font(size)
+        _, top, _, bottom = face.getbbox(text)
+        cy = (y + (top + bottom) / 2) * sy
+        for index, char in enumerate(text):
+            cx = (x + face.getlength(text[:index]) + face.getlength(char) / 2) * sx
+            row, col = int(cy // cell), int(cx // cell)
+            if 0 <= row < rows and 0 <= col < cols:
+                cells.setdefault((row, col), []).append((cx, char, run))
+    return t, rows, cols, min(sx, sy), cells
+
+
 def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
                  patch: int = 14, merge: int = 2, min_scale: float = 0.6) -> torch.Tensor:
     """(tokens, CHAR_SLOTS) per visual token: the classes (1 + TEXT_CHARS index; 0: none)
@@ -190,25 +213,36 @@ def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[i
     text runs drawn on the image. Reading the tokens of a line in order, and each
     token's slots in order, spells the line. IGNORE_INDEX everywhere when the processor
     shrank the image below `min_scale`: the glyphs are then too blurred to name."""
-    t, rows, cols, cell, sx, sy = _cell_grid(grid_thw, width, height, patch, merge)
+    t, rows, cols, scale, cells = _glyph_cells(runs, width, height, grid_thw, patch, merge)
     out = torch.zeros((rows, cols, CHAR_SLOTS), dtype=torch.long)
-    if min(sx, sy) < min_scale:
+    if scale < min_scale:
         out.fill_(IGNORE_INDEX)
     else:
-        cells: dict[tuple[int, int], list[tuple[float, str]]] = {}
-        for text, x, y, size in runs:
-            face = font(size)
-            _, top, _, bottom = face.getbbox(text)
-            cy = (y + (top + bottom) / 2) * sy
-            for index, char in enumerate(text):
-                cx = (x + face.getlength(text[:index]) + face.getlength(char) / 2) * sx
-                row, col = int(cy // cell), int(cx // cell)
-                if 0 <= row < rows and 0 <= col < cols:
-                    cells.setdefault((row, col), []).append((cx, char))
-        for (row, col), chars in cells.items():
-            chars = [c for _, c in sorted(chars)][:CHAR_SLOTS]
+        for (row, col), glyphs in cells.items():
+            chars = [c for _, c, _ in sorted(glyphs)][:CHAR_SLOTS]
             out[row, col, :len(chars)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in chars])
     return out.view(-1, CHAR_SLOTS).repeat(t, 1)
+
+
+def run_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
+                patch: int = 14, merge: int = 2, min_scale: float = 0.6) -> torch.Tensor:
+    """(tokens, RUN_SLOTS) per visual token: the whole text run (word or number) the
+    token's cell holds glyph centres of, as classes (1 + TEXT_CHARS index) then 0s
+    after its end; the run with the most glyphs there where a cell holds two; all 0
+    for a cell without text. Every token of a word names the whole word, so a reader
+    needs any one of them rather than each in order, and a glyph on a cell boundary
+    cannot shift the spelling (char_targets' slots can). IGNORE_INDEX everywhere when
+    the image was shrunk below `min_scale`, as in char_targets."""
+    t, rows, cols, scale, cells = _glyph_cells(runs, width, height, grid_thw, patch, merge)
+    out = torch.zeros((rows, cols, RUN_SLOTS), dtype=torch.long)
+    if scale < min_scale:
+        out.fill_(IGNORE_INDEX)
+    else:
+        for (row, col), glyphs in cells.items():
+            indices = [run for _, _, run in glyphs]
+            text = runs[max(indices, key=lambda run: (indices.count(run), -run))][0][:RUN_SLOTS]
+            out[row, col, :len(text)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in text])
+    return out.view(-1, RUN_SLOTS).repeat(t, 1)
 
 
 def scene_targets(scene: dict, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +324,12 @@ def batch_char_targets(batch: list[Encoded]) -> torch.Tensor | None:
     """Character targets of the batch's image tokens (the tower's images come first;
     clips carry no text), or None when no image has any."""
     targets = [t for item in batch for t in item.image_char_targets]
+    return torch.cat(targets) if targets else None
+
+
+def batch_run_targets(batch: list[Encoded]) -> torch.Tensor | None:
+    """Run targets of the batch's image tokens (run_targets), in batch_char_targets' order."""
+    targets = [t for item in batch for t in item.image_run_targets]
     return torch.cat(targets) if targets else None
 
 

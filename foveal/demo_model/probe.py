@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from foveal.demo_model.encode import (
-    CHAR_SLOTS, IGNORE_INDEX, MAX_CENTRES, MAX_COUNT, TEXT_CHARS, TEXT_SLOTS, SampleEncoder,
-    batch_centre_targets, batch_char_targets, batch_scene_targets, batch_shape_targets, collate,
-    to_device,
+    CHAR_SLOTS, IGNORE_INDEX, MAX_CENTRES, MAX_COUNT, RUN_SLOTS, TEXT_CHARS, TEXT_SLOTS,
+    SampleEncoder, batch_centre_targets, batch_char_targets, batch_run_targets, batch_scene_targets,
+    batch_shape_targets, collate, to_device,
 )
 from foveal.demo_model.render import COLORS, SHAPES
 from foveal.demo_model.tasks import DIRECTIONS, make_sample
@@ -31,7 +31,9 @@ class VisualTokenProbe(torch.nn.Module):
     Character head: each token names the characters whose centres fall in its
     cell, left to right (encode.char_targets), learnt mostly from
     training-only pages of text (tasks.make_page); the decoder then reads a word
-    off the tokens it covers, left to right.
+    off the tokens it covers, left to right. Run head: each token holding text
+    names the whole word or number it belongs to (encode.run_targets), so the
+    decoder can read a word off any one of its tokens.
 
     Centre head: each token says how many shapes have their centre in its cell
     (encode.centre_targets), so an image's count is the sum over its tokens."""
@@ -46,7 +48,7 @@ class VisualTokenProbe(torch.nn.Module):
     EMPTY_CHAR_WEIGHT = 0.1  # most cells hold no text; they count less
 
     def __init__(self, hidden: int, mean, std, merge: int = 2, patch: int = 14, temporal: int = 2,
-                 centres: bool = False):
+                 centres: bool = False, runs: bool = False):
         super().__init__()
         self.head = torch.nn.Linear(hidden, self.NUM_CLASSES)
         self.shape_head = torch.nn.Linear(hidden, len(SHAPES) + 1)
@@ -54,8 +56,9 @@ class VisualTokenProbe(torch.nn.Module):
         self.scene_head = torch.nn.Linear(hidden, sum(self.SCENE_GROUPS))
         self.where_head = torch.nn.Linear(hidden, 2)
         self.char_head = torch.nn.Linear(hidden, CHAR_SLOTS * self.CHAR_CLASSES)
-        # only in runs that train it, so that older training states still load
+        # only in runs that train them, so that older training states still load
         self.centre_head = torch.nn.Linear(hidden, MAX_CENTRES + 1) if centres else None
+        self.run_head = torch.nn.Linear(hidden, RUN_SLOTS * self.CHAR_CLASSES) if runs else None
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1), persistent=False)
         self.register_buffer("palette", torch.tensor(list(COLORS.values()), dtype=torch.float32) / 255,
@@ -110,13 +113,26 @@ class VisualTokenProbe(torch.nn.Module):
     def char_logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.char_head(features).view(-1, CHAR_SLOTS, self.CHAR_CLASSES)
 
+    def run_logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.run_head(features).view(-1, RUN_SLOTS, self.CHAR_CLASSES)
+
     def char_loss(self, features: torch.Tensor, chars: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the character head on the first len(chars) tokens (the
         batch's images), empty slots weighted EMPTY_CHAR_WEIGHT."""
-        logits = self.char_logits(features[:len(chars)]).reshape(-1, self.CHAR_CLASSES)
-        chars = chars.reshape(-1)
-        weight = torch.where(chars > 0, 1.0, self.EMPTY_CHAR_WEIGHT) * (chars != IGNORE_INDEX)
-        per_slot = torch.nn.functional.cross_entropy(logits, chars.clamp(min=0), reduction="none")
+        return self._slot_loss(self.char_logits(features[:len(chars)]), chars, chars > 0)
+
+    def run_loss(self, features: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the run head on the first len(runs) tokens, every slot of a
+        token without text (all 0) weighted EMPTY_CHAR_WEIGHT; a text token's end
+        slots (0 after its last character) weigh fully, since they give its length."""
+        holds = (runs > 0).any(1, keepdim=True).expand_as(runs)
+        return self._slot_loss(self.run_logits(features[:len(runs)]), runs, holds)
+
+    def _slot_loss(self, logits: torch.Tensor, targets: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        targets = targets.reshape(-1)
+        weight = torch.where(full.reshape(-1), 1.0, self.EMPTY_CHAR_WEIGHT) * (targets != IGNORE_INDEX)
+        per_slot = torch.nn.functional.cross_entropy(logits.reshape(-1, self.CHAR_CLASSES),
+                                                     targets.clamp(min=0), reduction="none")
         return (per_slot * weight).sum() / weight.sum().clamp(min=1e-6)
 
     def centre_loss(self, features: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
@@ -133,13 +149,16 @@ class VisualTokenProbe(torch.nn.Module):
              scenes: tuple[torch.Tensor, torch.Tensor], chars: torch.Tensor | None = None,
              char_weight: float = 0.0, shape_weight: float = 0.0,
              centres: list[torch.Tensor] | None = None, centre_weight: float = 0.0,
-             colour_weight: float = 0.0) -> torch.Tensor:
+             colour_weight: float = 0.0, runs: torch.Tensor | None = None,
+             run_weight: float = 0.0) -> torch.Tensor:
         """The stage-1 loss. `shape_weight` adds the shape head's cross-entropy over
         the cells a shape covers alone, so that naming the shape weighs as much
         wherever there is one, however many empty cells the batch holds;
         `colour_weight` does the same for the colour head over the cells that show a
         colour or ink (in the plain term the background cells, ~90% of a batch,
-        outweigh them); `centre_weight` adds the centre head's loss (centre_loss)."""
+        outweigh them); `centre_weight` adds the centre head's loss (centre_loss),
+        `char_weight` the character head's (char_loss), `run_weight` the run head's
+        (run_loss)."""
         features = torch.cat(features).float()
         colours = torch.cat([self.targets(p) for p in pixels])
         where = torch.cat([self.positions(g) for g in grids])
@@ -156,9 +175,11 @@ class VisualTokenProbe(torch.nn.Module):
                 loss = loss + weight * torch.nn.functional.cross_entropy(logits[shown], classes[shown])
         if self.centre_head is not None and centres is not None and centre_weight:
             loss = loss + centre_weight * self.centre_loss(features, torch.cat(centres))
-        if chars is None or not char_weight:
-            return loss
-        return loss + char_weight * self.char_loss(features, chars)
+        if chars is not None and char_weight:
+            loss = loss + char_weight * self.char_loss(features, chars)
+        if self.run_head is not None and runs is not None and run_weight:
+            loss = loss + run_weight * self.run_loss(features, runs)
+        return loss
 
 
 def run_vision_tower(model, batch: dict) -> list[tuple[str, str]]:
@@ -179,13 +200,16 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
     direction (where the scene says), the per-cell colour head on every cell
     ("cell_color", mostly background) and on the cells that show a colour or ink
     ("shown_color"), the shape head on the cells a shape covers ("cell_shape") and
-    the character head on the cells that hold a character ("chars"); with a centre
+    the character head on the cells that hold a character ("chars"), the run head
+    on the cells that hold text, a whole word or number right ("run"); with a centre
     head, how often the counts it names over an image's (or clip's) tokens add up
     to the shapes drawn ("centre_count", per image)."""
     merged: list[torch.Tensor] = []
     hook = model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
     hits = {name: [0, 0] for name in ["cell_color", "shown_color", "cell_shape", "chars",
                                       *dict.fromkeys(probe.SCENE_COLUMNS)]}
+    if probe.run_head is not None:
+        hits["run"] = [0, 0]
     if probe.centre_head is not None:
         hits["centre_count"] = [0, 0]
     try:
@@ -214,6 +238,12 @@ def probe_accuracy(model, probe: VisualTokenProbe, encoder: SampleEncoder, num_s
                 predicted = probe.char_logits(features[:len(chars)]).argmax(-1)
                 hits["chars"][0] += int((predicted[known] == chars[known]).sum())
                 hits["chars"][1] += int(known.sum())
+            if chars is not None and probe.run_head is not None:
+                runs = to_device(batch_run_targets(encoded), model.device)
+                text = (runs > 0).any(1)
+                named = (probe.run_logits(features[:len(runs)]).argmax(-1) == runs).all(1)
+                hits["run"][0] += int(named[text].sum())
+                hits["run"][1] += int(text.sum())
             classes, _ = to_device(batch_scene_targets(encoded), model.device)
             scene_logits = probe.scene_head(features).split(probe.SCENE_GROUPS, dim=-1)
             for column, (name, logits) in enumerate(zip(probe.SCENE_COLUMNS, scene_logits)):

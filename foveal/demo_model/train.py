@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from foveal.demo_model.encode import (
-    IGNORE_INDEX, Augment, SampleEncoder, batch_centre_targets, batch_char_targets, batch_scene_targets,
-    batch_shape_targets, collate, to_device,
+    IGNORE_INDEX, Augment, SampleEncoder, batch_centre_targets, batch_char_targets, batch_run_targets,
+    batch_scene_targets, batch_shape_targets, collate, to_device,
 )
 from foveal.demo_model.probe import VisualTokenProbe, probe_accuracy, run_vision_tower
 from foveal.demo_model.tasks import TASKS, TRAIN_WEIGHTS, make_page, make_sample
@@ -50,9 +50,10 @@ class TrainConfig:
     frozen tower it learns the same reads in a few hundred steps
     (docs/benchmarks.md, "Demo model", "Training")."""
 
-    # Stage 0 (optional, `read_steps`): the tower learns the characters alone, on pages of
-    # text (batch_size pages per step, the character head's loss only), before stage 1
-    # adds the other heads, whose losses otherwise drown it (docs/benchmarks.md, "Reading").
+    # Stage 0 (optional, `read_steps`): the tower learns to read alone, on pages of text
+    # (batch_size pages per step; the character head's loss, plus the run head's with
+    # `run_weight`), before stage 1 adds the other heads, whose losses otherwise drown it
+    # (docs/benchmarks.md, "Reading").
     read_steps: int = 0
     vision_steps: int = 1800
     steps: int = 2400
@@ -68,6 +69,11 @@ class TrainConfig:
     # the characters alone, not yet beside the other heads.
     pages_per_batch: int = 0
     char_weight: float = 0.0
+    # Stages 0-1: weight of the run head's loss (probe.run_loss): each token holding text
+    # names the whole word or number, which a decoder fed such tokens learnt to read in a
+    # few hundred steps where the per-cell characters took thousands (docs/benchmarks.md,
+    # "Reading whole words"). 0: off.
+    run_weight: float = 0.0
     # Stage 1: weight of an extra shape loss on the cells a shape covers alone (probe.loss);
     # 0 leaves shape identity to the head's loss over every cell, where the empty cells
     # outnumber the covered ones and the tower learnt it to 0.32 per cell; the shipped model
@@ -85,6 +91,10 @@ class TrainConfig:
     # with 3 (docs/benchmarks.md, "Colour on the shape cells").
     colour_weight: float = 0.0
     vision_lr: float = 1e-3
+    # stage 0 peak learning rate (None: vision_lr); at 2e-3 the tower named 0.56 of the
+    # characters after 750 steps, where runs at 1e-3 had 0.30 after 800 (docs/benchmarks.md,
+    # "Reading whole words")
+    read_lr: float | None = None
     lr: float = 3e-4  # 1e-3 and up stall the text decoder (scripts/demo_oracle.py, docs/benchmarks.md)
     min_lr_ratio: float = 0.05
     warmup: int = 100
@@ -110,7 +120,7 @@ class TrainConfig:
                              f"the tasks are {', '.join(TASKS)}")
         if any(not weight >= 0 for weight in given.values()):  # rejects NaN too
             raise ConfigError(f"task weights must be >= 0, got {given}")
-        for name in ("shape_weight", "centre_weight", "colour_weight"):
+        for name in ("shape_weight", "centre_weight", "colour_weight", "run_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not any(self.mix()):
@@ -198,7 +208,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """Warmup then cosine decay to min_lr_ratio, separately in each stage."""
     stage = cfg.stage_of(step)
     start, end = cfg.spans()[stage]
-    peak, length = (cfg.vision_lr, cfg.vision_lr, cfg.lr, cfg.joint_lr)[stage], end - start
+    read_lr = cfg.vision_lr if cfg.read_lr is None else cfg.read_lr
+    peak, length = (read_lr, cfg.vision_lr, cfg.lr, cfg.joint_lr)[stage], end - start
     step -= start
     warmup = min(cfg.warmup, max(1, length // 2))
     if step < warmup:
@@ -257,11 +268,12 @@ def make_batch(encoder: SampleEncoder, cfg: TrainConfig, step: int) -> dict:
         pages, first = cfg.pages_per_batch if stage else cfg.batch_size, step * (
             cfg.batch_size + cfg.pages_per_batch)
         samples += [make_page(first + i) for i in range(pages)]
-    encoded = [encoder.encode(s, rng, _AUGMENT) for s in samples]
+    encoded = [encoder.encode(s, rng, _PAGE_AUGMENT if s.task == "page" else _AUGMENT)
+               for s in samples]
     batch = collate(encoded, pad_id=0)
     out = {"inputs": batch, "labels": batch.pop("labels")}
     if stage <= 1:
-        out.update(chars=batch_char_targets(encoded))
+        out.update(chars=batch_char_targets(encoded), runs=batch_run_targets(encoded))
     if stage == 1:
         out.update(shapes=batch_shape_targets(encoded), scenes=batch_scene_targets(encoded),
                    centres=batch_centre_targets(encoded))
@@ -269,6 +281,9 @@ def make_batch(encoder: SampleEncoder, cfg: TrainConfig, step: int) -> dict:
 
 
 _AUGMENT = Augment()
+# pages are never shrunk: a shrunk page's character targets are all ignored (char_targets), so
+# it would cost a step's compute for nothing
+_PAGE_AUGMENT = Augment(lowres_prob=0.0)
 _worker_encoder: SampleEncoder | None = None
 
 
@@ -323,11 +338,12 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
     encoder = SampleEncoder(out_dir / "scaffold", hf_config)
     device = torch.device(cfg.device)
     bf16 = (device.type == "cuda" or cpu_has_native_bf16()) if cfg.bf16 is None else cfg.bf16
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     model = build_hf_model(hf_config, cfg.seed).to(device)
     model.train()
     probe = VisualTokenProbe(hf_config["text_config"]["hidden_size"], encoder.images.image_mean,
-                             encoder.images.image_std, centres=cfg.centre_weight > 0).to(device)
+                             encoder.images.image_std, centres=cfg.centre_weight > 0,
+                             runs=cfg.run_weight > 0).to(device)
     merged: list[torch.Tensor] = []
     model.model.visual.merger.register_forward_hook(lambda _m, _i, out: merged.append(out))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -369,13 +385,17 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if stage == 0:
                 run_vision_tower(model, batch)
-                loss = probe.char_loss(torch.cat(merged).float(), data["chars"])
+                features = torch.cat(merged).float()
+                loss = probe.char_loss(features, data["chars"])
+                if probe.run_head is not None:
+                    loss = loss + cfg.run_weight * probe.run_loss(features, data["runs"])
             elif vision_stage:
                 media = run_vision_tower(model, batch)
                 loss = probe.loss(merged, [batch[k] for k, _ in media], data["shapes"],
                                   [batch[g] for _, g in media], data["scenes"],
                                   data["chars"], cfg.char_weight, cfg.shape_weight,
-                                  data["centres"], cfg.centre_weight, cfg.colour_weight)
+                                  data["centres"], cfg.centre_weight, cfg.colour_weight,
+                                  data["runs"], cfg.run_weight)
             else:
                 loss = answer_loss(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)

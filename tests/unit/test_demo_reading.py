@@ -1,6 +1,7 @@
-"""The demo model's reading targets: pages of text for stage 1, and the
-per-token character targets (the characters whose centres fall in each visual
-token's cell, left to right) that both pages and `read` samples give the probe."""
+"""The demo model's reading targets: pages of text for stage 1, the per-token
+character targets (the characters whose centres fall in each visual token's
+cell, left to right) and the run targets (the whole word or number a token holds
+text of) that both pages and `read` samples give the probe."""
 import json
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from foveal.demo_model.encode import (
-    CHAR_SLOTS, IGNORE_INDEX, TEXT_CHARS, SampleEncoder, batch_char_targets, char_targets,
+    CHAR_SLOTS, IGNORE_INDEX, RUN_SLOTS, TEXT_CHARS, SampleEncoder, batch_char_targets,
+    batch_run_targets, char_targets, run_targets,
 )
 from foveal.demo_model.probe import VisualTokenProbe
 from foveal.demo_model.render import text_size
@@ -85,6 +87,66 @@ def test_batch_character_targets_cover_every_image_token_in_tower_order(scaffold
     assert _spelled(chars[-len(items[3].image_char_targets[0]):]) != ""
 
 
+def test_run_targets_name_the_whole_text_on_every_token_holding_its_glyphs():
+    for index in range(60):
+        sample = make_sample("eval", index, task="read")
+        image = sample.images[0]
+        grid = (1, image.height // 14, image.width // 14)
+        chars = char_targets(sample.texts[0], image.width, image.height, grid)
+        runs = run_targets(sample.texts[0], image.width, image.height, grid)
+        assert runs.shape == (len(chars), RUN_SLOTS)
+        holds = (chars > 0).any(1)
+        assert bool(((runs > 0).any(1) == holds).all()) and int(holds.sum()) >= 1
+        for row in runs[holds]:
+            assert _spelled(row) == sample.answer and bool((row[len(sample.answer):] == 0).all())
+    half = (1, image.height // 28, image.width // 28)
+    assert bool((run_targets(sample.texts[0], image.width, image.height, half) == IGNORE_INDEX).all())
+
+
+def test_a_cell_shared_by_two_runs_names_the_one_with_more_glyphs_there():
+    # "AB" ends in cell 1 with one glyph, "CDE" starts there with two (20 px font glyphs are
+    # ~12 px wide; cells are 28 px): the cell names "CDE"
+    runs = [("AB", 12.0, 4.0, 20), ("CDE", 40.0, 4.0, 20)]
+    chars = char_targets(runs, 112, 28, (1, 2, 8))
+    per_cell = [_spelled(chars[i]) for i in range(4)]
+    assert "".join(per_cell) == "ABCDE" and any(len(set(c) & set("AB")) and len(set(c) & set("CDE"))
+                                                for c in per_cell), per_cell
+    named = [_spelled(row) for row in run_targets(runs, 112, 28, (1, 2, 8))]
+    for cell, name in zip(per_cell, named):
+        if cell:
+            mine = [r for r in ("AB", "CDE") if set(cell) & set(r)]
+            best = max(mine, key=lambda r: (len([c for c in cell if c in r]), r == "AB"))
+            assert name == best, (per_cell, named)
+        else:
+            assert name == ""
+
+
+def test_batch_run_targets_follow_the_character_targets_order(scaffold):
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    items = [encoder.encode(s) for s in (make_sample("eval", 3), make_sample("eval", 4), make_page(0))]
+    chars, runs = batch_char_targets(items), batch_run_targets(items)
+    assert runs.shape == (len(chars), RUN_SLOTS)
+    assert bool(((runs > 0).any(1) == (chars > 0).any(1)).all())
+
+
+def test_run_loss_weights_tokens_without_text_less():
+    probe = VisualTokenProbe(16, [0.5] * 3, [0.5] * 3, runs=True)
+    features = torch.randn(4, 16)
+    runs = torch.zeros(3, RUN_SLOTS, dtype=torch.long)
+    runs[0, :2] = torch.tensor([4, 7])  # a two-character run: its end slots weigh fully
+    logits = probe.run_logits(features[:3]).reshape(-1, probe.CHAR_CLASSES)
+    per_slot = torch.nn.functional.cross_entropy(logits, runs.reshape(-1), reduction="none")
+    weight = torch.tensor([1.0] * RUN_SLOTS + [probe.EMPTY_CHAR_WEIGHT] * 2 * RUN_SLOTS)
+    assert torch.allclose(probe.run_loss(features, runs), (per_slot * weight).sum() / weight.sum())
+    assert VisualTokenProbe(16, [0.5] * 3, [0.5] * 3).run_head is None  # older states still load
+    from foveal.demo_model.train import TrainConfig
+    from foveal.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="run_weight"):
+        TrainConfig(run_weight=-1.0)
+
+
 def test_char_loss_weights_empty_slots_less_and_skips_ignored_ones():
     probe = VisualTokenProbe(16, [0.5] * 3, [0.5] * 3)
     features = torch.randn(5, 16)
@@ -118,6 +180,13 @@ def test_the_character_loss_counts_only_with_a_weight():
     assert torch.allclose(probe.loss(features, pixels, shapes, grids, scenes, chars), base)
     weighted = probe.loss(features, pixels, shapes, grids, scenes, chars, char_weight=2.0)
     assert torch.allclose(weighted, base + 2.0 * probe.char_loss(features[0], chars))
+    with_runs = VisualTokenProbe(16, [0.5] * 3, [0.5] * 3, runs=True)
+    with_runs.load_state_dict(probe.state_dict(), strict=False)
+    runs = torch.zeros(4, RUN_SLOTS, dtype=torch.long)
+    runs[1, 0] = 5
+    assert torch.allclose(with_runs.loss(features, pixels, shapes, grids, scenes, runs=runs), base)
+    both = with_runs.loss(features, pixels, shapes, grids, scenes, chars, 2.0, runs=runs, run_weight=3.0)
+    assert torch.allclose(both, weighted + 3.0 * with_runs.run_loss(features[0], runs))
 
 
 def test_stage_0_comes_first_with_its_own_schedule():
@@ -131,18 +200,32 @@ def test_stage_0_comes_first_with_its_own_schedule():
     assert lr_at(19, cfg) == pytest.approx(2e-4, rel=0.25) and lr_at(19, cfg) < lr_at(10, cfg)
     assert lr_at(20, cfg) == pytest.approx(2e-4) and lr_at(70, cfg) == pytest.approx(1e-4)
     assert TrainConfig(vision_steps=50, steps=100).spans() == {1: (0, 50), 2: (50, 150)}
+    own = TrainConfig(read_steps=20, vision_steps=50, steps=100, warmup=10, vision_lr=2e-3, read_lr=4e-3)
+    assert lr_at(9, own) == pytest.approx(4e-3) and lr_at(29, own) == pytest.approx(2e-3)
 
 
 def test_a_stage_0_step_reads_pages_and_moves_only_the_tower(tmp_path):
     from foveal.demo_model.train import TrainConfig, train
 
     cfg = TrainConfig(read_steps=1, vision_steps=0, steps=0, batch_size=2, warmup=1,
-                      checkpoint_every=1, eval_every=1, eval_samples=6, bf16=False)
+                      checkpoint_every=1, eval_every=1, eval_samples=6, bf16=False, run_weight=1.0)
     train(tmp_path, cfg)
     state = torch.load(tmp_path / "train_state.pt", weights_only=False)
-    assert state["step"] == 1 and "chars" in state["history"][0]["probe"]
+    assert state["step"] == 1 and {"chars", "run"} <= set(state["history"][0]["probe"])
+    assert any(k.startswith("run_head.") for k in state["probe"])
     from foveal.demo_model.train import build_hf_model
 
     initial = build_hf_model(json.loads((tmp_path / "scaffold" / "config.json").read_text()), seed=0)
     changed = {k for k, v in initial.state_dict().items() if not torch.equal(v, state["model"][k])}
     assert changed and all(".visual." in f".{k}" for k in changed)
+
+
+def test_stage_0_pages_are_never_shrunk_so_every_one_has_targets(scaffold):
+    from foveal.demo_model.train import TrainConfig, make_batch
+
+    folder, hf_config = scaffold
+    encoder = SampleEncoder(folder, hf_config)
+    cfg = TrainConfig(read_steps=2, vision_steps=1, steps=1)
+    for step in (0, 1):  # 32 pages; shrunk as the samples are, about 1 in 5 would be ignored
+        chars = make_batch(encoder, cfg, step)["chars"]
+        assert bool((chars != IGNORE_INDEX).all())
