@@ -188,11 +188,18 @@ def centre_targets(frames: list[list[tuple]], width: int, height: int,
     return out.clamp_(max=MAX_CENTRES).flatten()
 
 
-def _glyph_cells(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
-                 patch: int, merge: int) -> tuple[int, int, int, float, dict]:
-    """(temporal patches, rows, columns, the smaller scale, {(row, col): [(x, char, run
-    index)]}): the glyphs whose centres fall in each token's cell, in processed pixels."""
+def _text_per_cell(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
+                   patch: int, merge: int, min_scale: float, slots: int, pick) -> torch.Tensor:
+    """(tokens, slots): per visual token, the classes (1 + TEXT_CHARS index, then 0s) of
+    the text `pick` names from the glyphs whose centres fall in its cell, [(x, char, run
+    index)] in processed pixels; 0s for a cell without glyphs. IGNORE_INDEX everywhere
+    when the processor shrank the image below `min_scale`: the glyphs are then too
+    blurred to name."""
     t, rows, cols, cell, sx, sy = _cell_grid(grid_thw, width, height, patch, merge)
+    out = torch.zeros((rows, cols, slots), dtype=torch.long)
+    if min(sx, sy) < min_scale:
+        out.fill_(IGNORE_INDEX)
+        return out.view(-1, slots).repeat(t, 1)
     cells: dict[tuple[int, int], list[tuple[float, str, int]]] = {}
     for run, (text, x, y, size) in enumerate(runs):
         face = font(size)
@@ -203,7 +210,10 @@ def _glyph_cells(runs: list[TextRun], width: int, height: int, grid_thw: tuple[i
             row, col = int(cy // cell), int(cx // cell)
             if 0 <= row < rows and 0 <= col < cols:
                 cells.setdefault((row, col), []).append((cx, char, run))
-    return t, rows, cols, min(sx, sy), cells
+    for (row, col), glyphs in cells.items():
+        text = pick(glyphs)[:slots]
+        out[row, col, :len(text)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in text])
+    return out.view(-1, slots).repeat(t, 1)
 
 
 def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
@@ -213,15 +223,8 @@ def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[i
     text runs drawn on the image. Reading the tokens of a line in order, and each
     token's slots in order, spells the line. IGNORE_INDEX everywhere when the processor
     shrank the image below `min_scale`: the glyphs are then too blurred to name."""
-    t, rows, cols, scale, cells = _glyph_cells(runs, width, height, grid_thw, patch, merge)
-    out = torch.zeros((rows, cols, CHAR_SLOTS), dtype=torch.long)
-    if scale < min_scale:
-        out.fill_(IGNORE_INDEX)
-    else:
-        for (row, col), glyphs in cells.items():
-            chars = [c for _, c, _ in sorted(glyphs)][:CHAR_SLOTS]
-            out[row, col, :len(chars)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in chars])
-    return out.view(-1, CHAR_SLOTS).repeat(t, 1)
+    return _text_per_cell(runs, width, height, grid_thw, patch, merge, min_scale, CHAR_SLOTS,
+                          lambda glyphs: "".join(char for _, char, _ in sorted(glyphs)))
 
 
 def run_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
@@ -233,16 +236,12 @@ def run_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[in
     needs any one of them rather than each in order, and a glyph on a cell boundary
     cannot shift the spelling (char_targets' slots can). IGNORE_INDEX everywhere when
     the image was shrunk below `min_scale`, as in char_targets."""
-    t, rows, cols, scale, cells = _glyph_cells(runs, width, height, grid_thw, patch, merge)
-    out = torch.zeros((rows, cols, RUN_SLOTS), dtype=torch.long)
-    if scale < min_scale:
-        out.fill_(IGNORE_INDEX)
-    else:
-        for (row, col), glyphs in cells.items():
-            indices = [run for _, _, run in glyphs]
-            text = runs[max(indices, key=lambda run: (indices.count(run), -run))][0][:RUN_SLOTS]
-            out[row, col, :len(text)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in text])
-    return out.view(-1, RUN_SLOTS).repeat(t, 1)
+    def most_glyphs(glyphs: list[tuple[float, str, int]]) -> str:
+        indices = [run for _, _, run in glyphs]
+        return runs[max(indices, key=lambda run: (indices.count(run), -run))][0]
+
+    return _text_per_cell(runs, width, height, grid_thw, patch, merge, min_scale, RUN_SLOTS,
+                          most_glyphs)
 
 
 def scene_targets(scene: dict, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
