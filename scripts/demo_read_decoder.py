@@ -19,7 +19,7 @@ import torch
 
 from foveal.demo_model.encode import Augment, SampleEncoder, collate
 from foveal.demo_model.tasks import make_sample
-from foveal.demo_model.train import answer_loss, build_hf_model
+from foveal.demo_model.train import answer_loss, build_hf_model, teacher_forced_accuracy
 
 
 def main() -> None:
@@ -38,29 +38,11 @@ def main() -> None:
     state = torch.load(args.state or out / "train_state.pt", weights_only=False)
     model.load_state_dict(state["model"])
     print(f"training state at step {state['step']}", flush=True)
-    params = []
-    for name, param in model.named_parameters():
-        visual = "visual" in name.split(".")[:2]
-        param.requires_grad_(not visual)
-        params += [] if visual else [param]
+    for name, param in model.named_parameters():  # the tower stays frozen
+        param.requires_grad_("visual" not in name.split(".")[:2])
+    params = [param for param in model.parameters() if param.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
     augment = Augment(lowres_prob=0, fewer_frames_prob=0)
-    held_out = [encoder.encode(make_sample("eval", i, task="read")) for i in range(48)]
-
-    @torch.no_grad()
-    def accuracy() -> float:
-        model.eval()
-        hits = 0
-        for start in range(0, len(held_out), 16):
-            batch = collate(held_out[start:start + 16], pad_id=0)
-            labels = batch.pop("labels")
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                predicted = model(**batch).logits[:, :-1].argmax(-1)
-            targets = labels[:, 1:]
-            hits += int(((predicted == targets) | (targets == -100)).all(1).sum())
-        model.train()
-        return hits / len(held_out)
-
     start = time.time()
     for step in range(1, args.steps + 1):
         rng = random.Random(step)
@@ -77,8 +59,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         if step % args.every == 0:
-            print(f"{step} {time.time() - start:.0f}s loss {loss.item():.3f} read {accuracy():.3f}",
-                  flush=True)
+            read = teacher_forced_accuracy(model, encoder, 48, bf16=True, task="read")["read"]
+            print(f"{step} {time.time() - start:.0f}s loss {loss.item():.3f} read {read:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ class SampleEncoder:
                    for image, objects, item in zip(sample.images, sample.objects, images)]
         centres = [centre_targets([objects], image.width, image.height, item.grid_thw)
                    for image, objects, item in zip(sample.images, sample.objects, images)]
+        texts = [text_targets(sample.texts[i] if i < len(sample.texts) else [], image.width,
+                              image.height, item.grid_thw)
+                 for i, (image, item) in enumerate(zip(sample.images, images))]
         videos, video_targets, video_centres = [], [], []
         if sample.video is not None:
             video, kept = self._process_video(sample, rng, augment)
@@ -113,10 +116,7 @@ class SampleEncoder:
                        sample.task, targets, video_targets,
                        [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, targets)],
                        [scene_targets(scene, len(t)) for scene, t in zip(sample.scenes, video_targets)],
-                       *[[make(sample.texts[i] if i < len(sample.texts) else [], image.width,
-                               image.height, item.grid_thw)
-                          for i, (image, item) in enumerate(zip(sample.images, images))]
-                         for make in (char_targets, run_targets)],
+                       [chars for chars, _ in texts], [words for _, words in texts],
                        centres, video_centres)
 
     @staticmethod
@@ -188,18 +188,20 @@ def centre_targets(frames: list[list[tuple]], width: int, height: int,
     return out.clamp_(max=MAX_CENTRES).flatten()
 
 
-def _text_per_cell(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
-                   patch: int, merge: int, min_scale: float, slots: int, pick) -> torch.Tensor:
-    """(tokens, slots): per visual token, the classes (1 + TEXT_CHARS index, then 0s) of
-    the text `pick` names from the glyphs whose centres fall in its cell, [(x, char, run
-    index)] in processed pixels; 0s for a cell without glyphs. IGNORE_INDEX everywhere
-    when the processor shrank the image below `min_scale`: the glyphs are then too
-    blurred to name."""
+def text_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
+                 patch: int = 14, merge: int = 2, min_scale: float = 0.6
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One image's (char_targets, run_targets), from one pass over its glyphs: per visual
+    token, the text named from the glyphs whose centres fall in its cell, as classes
+    (1 + TEXT_CHARS index, then 0s); 0s for a cell without glyphs. IGNORE_INDEX
+    everywhere when the processor shrank the image below `min_scale`: the glyphs are
+    then too blurred to name."""
     t, rows, cols, cell, sx, sy = _cell_grid(grid_thw, width, height, patch, merge)
-    out = torch.zeros((rows, cols, slots), dtype=torch.long)
     if min(sx, sy) < min_scale:
-        out.fill_(IGNORE_INDEX)
-        return out.view(-1, slots).repeat(t, 1)
+        return (torch.full((t * rows * cols, CHAR_SLOTS), IGNORE_INDEX),
+                torch.full((t * rows * cols, RUN_SLOTS), IGNORE_INDEX))
+    chars = torch.zeros((rows, cols, CHAR_SLOTS), dtype=torch.long)
+    words = torch.zeros((rows, cols, RUN_SLOTS), dtype=torch.long)
     cells: dict[tuple[int, int], list[tuple[float, str, int]]] = {}
     for run, (text, x, y, size) in enumerate(runs):
         face = font(size)
@@ -211,9 +213,12 @@ def _text_per_cell(runs: list[TextRun], width: int, height: int, grid_thw: tuple
             if 0 <= row < rows and 0 <= col < cols:
                 cells.setdefault((row, col), []).append((cx, char, run))
     for (row, col), glyphs in cells.items():
-        text = pick(glyphs)[:slots]
-        out[row, col, :len(text)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in text])
-    return out.view(-1, slots).repeat(t, 1)
+        indices = [run for _, _, run in glyphs]
+        most = max(indices, key=lambda run: (indices.count(run), -run))  # ties: the first run
+        for out, text in ((chars, "".join(char for _, char, _ in sorted(glyphs))), (words, runs[most][0])):
+            text = text[:out.shape[-1]]
+            out[row, col, :len(text)] = torch.tensor([TEXT_CHARS.index(c) + 1 for c in text])
+    return chars.view(-1, CHAR_SLOTS).repeat(t, 1), words.view(-1, RUN_SLOTS).repeat(t, 1)
 
 
 def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
@@ -223,8 +228,7 @@ def char_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[i
     text runs drawn on the image. Reading the tokens of a line in order, and each
     token's slots in order, spells the line. IGNORE_INDEX everywhere when the processor
     shrank the image below `min_scale`: the glyphs are then too blurred to name."""
-    return _text_per_cell(runs, width, height, grid_thw, patch, merge, min_scale, CHAR_SLOTS,
-                          lambda glyphs: "".join(char for _, char, _ in sorted(glyphs)))
+    return text_targets(runs, width, height, grid_thw, patch, merge, min_scale)[0]
 
 
 def run_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[int, int, int],
@@ -236,12 +240,7 @@ def run_targets(runs: list[TextRun], width: int, height: int, grid_thw: tuple[in
     needs any one of them rather than each in order, and a glyph on a cell boundary
     cannot shift the spelling (char_targets' slots can). IGNORE_INDEX everywhere when
     the image was shrunk below `min_scale`, as in char_targets."""
-    def most_glyphs(glyphs: list[tuple[float, str, int]]) -> str:
-        indices = [run for _, _, run in glyphs]
-        return runs[max(indices, key=lambda run: (indices.count(run), -run))][0]
-
-    return _text_per_cell(runs, width, height, grid_thw, patch, merge, min_scale, RUN_SLOTS,
-                          most_glyphs)
+    return text_targets(runs, width, height, grid_thw, patch, merge, min_scale)[1]
 
 
 def scene_targets(scene: dict, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

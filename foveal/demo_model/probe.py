@@ -175,6 +175,14 @@ class VisualTokenProbe(torch.nn.Module):
                 loss = loss + weight * torch.nn.functional.cross_entropy(logits[shown], classes[shown])
         if self.centre_head is not None and centres is not None and centre_weight:
             loss = loss + centre_weight * self.centre_loss(features, torch.cat(centres))
+        return loss + self.reading_loss(features, chars, char_weight, runs, run_weight)
+
+    def reading_loss(self, features: torch.Tensor, chars: torch.Tensor | None, char_weight: float,
+                     runs: torch.Tensor | None, run_weight: float) -> torch.Tensor | float:
+        """char_weight x char_loss + run_weight x run_loss, each where weighted and given
+        (the run head's only when the probe has one): stage 0's whole loss, stage 1's
+        reading part."""
+        loss = 0.0
         if chars is not None and char_weight:
             loss = loss + char_weight * self.char_loss(features, chars)
         if self.run_head is not None and runs is not None and run_weight:

@@ -231,13 +231,14 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_forced_accuracy(model, encoder: SampleEncoder, num_samples: int, bf16: bool,
-                            batch_size: int = 16) -> dict[str, float]:
-    """Exact match of every answer token under teacher forcing, per task. Equal
-    to greedy exact match: greedy reproduces the answer (and its end token)
-    exactly when each of those positions' argmax is the label."""
+                            batch_size: int = 16, task: str | None = None) -> dict[str, float]:
+    """Exact match of every answer token under teacher forcing, per task, on the first
+    `num_samples` eval samples (of `task` alone, when given). Equal to greedy exact
+    match: greedy reproduces the answer (and its end token) exactly when each of those
+    positions' argmax is the label."""
     model.eval()
-    hits = {task: [0, 0] for task in TASKS}
-    samples = [make_sample("eval", i) for i in range(num_samples)]
+    hits = {name: [0, 0] for name in TASKS}
+    samples = [make_sample("eval", i, task=task) for i in range(num_samples)]
     for start in range(0, len(samples), batch_size):
         encoded = [encoder.encode(s) for s in samples[start:start + batch_size]]
         batch = to_device(collate(encoded, pad_id=0), model.device)
@@ -385,10 +386,8 @@ def train(out_dir: str | Path, cfg: TrainConfig) -> Path:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if stage == 0:
                 run_vision_tower(model, batch)
-                features = torch.cat(merged).float()
-                loss = probe.char_loss(features, data["chars"])
-                if probe.run_head is not None:
-                    loss = loss + cfg.run_weight * probe.run_loss(features, data["runs"])
+                loss = probe.reading_loss(torch.cat(merged).float(), data["chars"], 1.0,
+                                          data["runs"], cfg.run_weight)
             elif vision_stage:
                 media = run_vision_tower(model, batch)
                 loss = probe.loss(merged, [batch[k] for k, _ in media], data["shapes"],
